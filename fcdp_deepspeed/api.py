@@ -1,0 +1,79 @@
+"""Public entry points: install/initialize/get_stats."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import deepspeed
+import deepspeed.runtime.zero.stage3 as _stage3_module
+
+from fcdp_deepspeed.stage3 import FCDPStage3
+from fcdp_deepspeed.stats import INTER, INTRA, LEDGER
+from fcdp_deepspeed.topology import discover_node_map
+
+_ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
+
+
+def install() -> None:
+    """Make ``deepspeed.initialize`` build FCDP's stage-3 optimizer. Idempotent.
+
+    Safe to call for any job: engines whose config has no enabled ``fcdp`` block run plain ZeRO-3.
+    """
+    _stage3_module.DeepSpeedZeroOptimizer_Stage3 = FCDPStage3
+
+
+def uninstall() -> None:
+    """Undo :func:`install` for engines created afterwards."""
+    _stage3_module.DeepSpeedZeroOptimizer_Stage3 = _ORIGINAL_STAGE3
+
+
+def is_installed() -> bool:
+    return _stage3_module.DeepSpeedZeroOptimizer_Stage3 is FCDPStage3
+
+
+@functools.wraps(deepspeed.initialize)
+def initialize(*args: Any, **kwargs: Any):
+    """Drop-in for ``deepspeed.initialize`` (same signature and return value) with FCDP installed."""
+    install()
+    return deepspeed.initialize(*args, **kwargs)
+
+
+def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
+    """Collective: count collectives by link class in this process, also for plain ZeRO-3 engines.
+
+    FCDP engines do this themselves; call it to compare a plain ZeRO-3 or hpZ run.
+    """
+    node_of_rank, _, _ = discover_node_map(ranks_per_node)
+    LEDGER.install(node_of_rank)
+
+
+def _process_totals() -> dict:
+    out = {f"process_{k}": v for k, v in LEDGER.totals.snapshot().items()}
+    out["process_inter_node_allgather_bytes"] = LEDGER.totals.get("allgather", INTER)[0]
+    out["process_intra_node_allgather_bytes"] = LEDGER.totals.get("allgather", INTRA)[0]
+    return out
+
+
+def get_stats(engine: Any) -> dict:
+    """FCDP counters of ``engine`` on this rank, cumulative since engine creation.
+
+    Keys include ``inter_node_allgather_bytes``, ``intra_node_allgather_bytes``, ``cache_hits``,
+    ``cache_misses``, ``host_cache_bytes``, ``device_cache_bytes`` (bytes each rank received in
+    all-gathers whose group spans nodes / stays in a node). For an engine without FCDP, the cache
+    keys are 0 and the byte keys are this process's totals (see :func:`enable_comm_counting`).
+    """
+    runtime = getattr(getattr(engine, "optimizer", None), "fcdp", None)
+    if runtime is not None:
+        out = runtime.stats()
+    else:
+        out = {
+            "inter_node_allgather_bytes": LEDGER.totals.get("allgather", INTER)[0],
+            "intra_node_allgather_bytes": LEDGER.totals.get("allgather", INTRA)[0],
+            "inter_node_allgather_calls": LEDGER.totals.get("allgather", INTER)[1],
+            "intra_node_allgather_calls": LEDGER.totals.get("allgather", INTRA)[1],
+            "cache_hits": 0, "cache_misses": 0, "host_cache_bytes": 0, "device_cache_bytes": 0,
+            "fcdp_enabled": False,
+        }
+    out.setdefault("fcdp_enabled", True)
+    out.update(_process_totals())
+    return out

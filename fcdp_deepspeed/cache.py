@@ -1,0 +1,236 @@
+"""Cache entries (one per parameter) and the pooled slot storage behind them.
+
+[Note: entry states]
+Every managed parameter has one :class:`CacheEntry` whose :class:`EntryState` says which memory
+exists and whether DeepSpeed may use it:
+
+- ``DISABLED``: no slot. The parameter takes the plain ZeRO-3 path (over budget, excluded, or
+  degraded after a fault). ``param.ds_secondary_tensor`` is ``None`` forever.
+- ``EMPTY``: a slot is reserved in a pool but holds no valid data. ``ds_secondary_tensor is None``,
+  so the next fetch is a full-group (inter-node) all-gather; the release that follows fills it.
+- ``FILLED``: the slot holds this rank's 1/L slice of the parameter's *current* value and
+  ``param.ds_secondary_tensor is entry.slot``, so DeepSpeed's hpZ gather path fetches the parameter
+  over the node-local group from it.
+
+Only :class:`NodeCache` changes states. Hit/miss decide which collective runs, so every event that
+changes a state must happen on all ranks of the data-parallel group at the same logical point
+(releases, optimizer steps, checkpoint events, agreed planning); nothing is evicted on one rank.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from fcdp_deepspeed import faults
+from fcdp_deepspeed.stats import CacheCounters
+
+
+class EntryState(enum.Enum):
+    DISABLED = "disabled"
+    EMPTY = "empty"
+    FILLED = "filled"
+
+
+class Placement(enum.Enum):
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One parameter's slice of the node cache on this rank."""
+
+    param: torch.nn.Parameter
+    name: str
+    slot_numel: int
+    """Elements per rank: aligned_numel / L (DeepSpeed's hpZ secondary size)."""
+    start: int
+    """Offset of this rank's slice in the flattened parameter."""
+    dtype: torch.dtype
+    state: EntryState = EntryState.EMPTY
+    placement: Optional[Placement] = None
+    slot: Optional[torch.Tensor] = field(default=None, repr=False)
+    disabled_reason: str = ""
+    filled_requires_grad: bool = False
+    hits: int = 0
+    checksum: Optional[float] = None
+
+    @property
+    def valid_numel(self) -> int:
+        """Elements of the slice inside the parameter (the rest of the slot is zero padding)."""
+        return max(0, min(self.param.ds_numel - self.start, self.slot_numel))
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+#: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
+CHUNK_BYTES = 256 * 2**20
+
+
+class SlotPool:
+    """Flat buffers per dtype, allocated once at planning time; every slot is a view into one.
+
+    Why pooled: pinned allocations are slow and a known source of host OOMs, so the pool is sized
+    from the plan, allocated before the first step and never grows or shrinks per step.
+    """
+
+    def __init__(self, placement: Placement, pin: bool) -> None:
+        self.placement = placement
+        self.pin = pin and placement is Placement.HOST
+        self.chunks: list[torch.Tensor] = []
+        self.allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+    def _device(self) -> str:
+        return "cpu" if self.placement is Placement.HOST else get_accelerator().current_device_name()
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        faults.maybe_fail(f"alloc_{self.placement.value}")
+        buf = torch.empty(numel, dtype=dtype, device=self._device())
+        if self.pin:
+            buf = get_accelerator().pin_memory(buf)
+        self.allocations += 1
+        return buf
+
+    def reserve(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
+        """Give each entry a slot; return the entries whose chunk could not be allocated."""
+        by_dtype: dict[torch.dtype, list[CacheEntry]] = {}
+        for e in entries:
+            by_dtype.setdefault(e.dtype, []).append(e)
+        failed: list[CacheEntry] = []
+        for dtype, group in by_dtype.items():
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            chunk: list[CacheEntry] = []
+            chunk_numel = 0
+            for e in group + [None]:  # type: ignore[list-item]
+                if e is not None and (not chunk or (chunk_numel + e.slot_numel) * itemsize <= CHUNK_BYTES):
+                    chunk.append(e)
+                    chunk_numel += e.slot_numel
+                    continue
+                try:
+                    buf = self._allocate(chunk_numel, dtype)
+                except (RuntimeError, MemoryError, faults.InjectedFault):
+                    failed.extend(chunk)
+                else:
+                    self.chunks.append(buf)
+                    offset = 0
+                    for c in chunk:
+                        c.slot = buf.narrow(0, offset, c.slot_numel)
+                        c.placement = self.placement
+                        offset += c.slot_numel
+                if e is not None:
+                    chunk, chunk_numel = [e], e.slot_numel
+        return failed
+
+    def release_unused(self, entries: Iterable[CacheEntry]) -> None:
+        """Drop chunks no live entry points into (after a cross-rank agreement disabled them)."""
+        used = {e.slot.untyped_storage().data_ptr() for e in entries if e.slot is not None}
+        self.chunks = [c for c in self.chunks if c.untyped_storage().data_ptr() in used]
+
+
+class NodeCache:
+    """The entries of one engine on this rank and the only code that changes their state."""
+
+    def __init__(self, rank_in_node: int, counters: CacheCounters, checksums: bool) -> None:
+        self.rank_in_node = rank_in_node
+        self.counters = counters
+        self.checksums = checksums
+        self.entries: dict[int, CacheEntry] = {}  # by ds_id
+        self.pools = {p: None for p in Placement}  # type: dict[Placement, Optional[SlotPool]]
+        # Fills run on the releasing thread (forward: main thread; backward: autograd threads).
+        self._lock = threading.RLock()
+
+    # -- queries ------------------------------------------------------------------------------
+    def entry(self, param: torch.nn.Parameter) -> Optional[CacheEntry]:
+        return self.entries.get(getattr(param, "ds_id", -1))
+
+    def is_hit(self, entry: CacheEntry) -> bool:
+        self._reconcile(entry)
+        return entry.state is EntryState.FILLED
+
+    def held_bytes(self, placement: Placement) -> int:
+        return sum(e.nbytes for e in self.entries.values()
+                   if e.state is EntryState.FILLED and e.placement is placement)
+
+    # -- transitions --------------------------------------------------------------------------
+    def _reconcile(self, entry: CacheEntry) -> None:
+        """Catch an external drop of the secondary (e.g. DeepSpeed's own invalidation)."""
+        if entry.state is EntryState.FILLED and entry.param.ds_secondary_tensor is not entry.slot:
+            entry.state = EntryState.EMPTY
+
+    def on_partition(self, entry: CacheEntry, has_been_updated: bool) -> None:
+        """DeepSpeed is partitioning ``entry.param`` (release, or ``partition(has_been_updated=True)``)."""
+        with self._lock:
+            if entry.state is EntryState.DISABLED:
+                return
+            self._reconcile(entry)
+            param = entry.param
+            if param.ds_status is not ZeroParamStatus.AVAILABLE:
+                # Values rewritten while partitioned: we cannot refill without the full tensor.
+                if has_been_updated:
+                    self.invalidate([entry], "updated_while_partitioned")
+                return
+            if entry.state is EntryState.FILLED and not has_been_updated:
+                return
+            self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED)
+
+    def _fill(self, entry: CacheEntry, refresh: bool) -> None:
+        param, slot = entry.param, entry.slot
+        assert slot is not None
+        flat = param.data.contiguous().view(-1)
+        n = entry.valid_numel
+        with torch.no_grad():
+            if n < entry.slot_numel:
+                slot.narrow(0, n, entry.slot_numel - n).zero_()
+            if n > 0:
+                # Synchronous: the full tensor is freed right after this partition call.
+                slot.narrow(0, 0, n).copy_(flat.narrow(0, entry.start, n))
+        if not get_accelerator().resolves_data_dependency():
+            get_accelerator().current_stream().synchronize()
+        slot.ds_numel = entry.slot_numel
+        slot.status = PartitionedParamStatus.AVAILABLE
+        slot.final_location = None
+        entry.checksum = float(slot.double().sum()) if self.checksums else None
+        entry.filled_requires_grad = param.requires_grad
+        entry.state = EntryState.FILLED
+        param.ds_secondary_tensor = slot
+        self.counters.bump(refreshes=1) if refresh else self.counters.bump(fills=1)
+
+    def invalidate(self, entries: Iterable[CacheEntry], reason: str) -> int:
+        """FILLED -> EMPTY; the slot stays reserved. Returns how many entries were dropped."""
+        count = 0
+        with self._lock:
+            for entry in entries:
+                self._reconcile(entry)
+                if entry.state is EntryState.FILLED:
+                    entry.param.ds_secondary_tensor = None
+                    entry.state = EntryState.EMPTY
+                    entry.checksum = None
+                    count += 1
+        if count:
+            self.counters.invalidated(reason, count)
+        return count
+
+    def disable(self, entries: Iterable[CacheEntry], reason: str) -> None:
+        """Any state -> DISABLED: the parameter takes the plain ZeRO-3 path from now on."""
+        with self._lock:
+            for entry in entries:
+                if entry.state is EntryState.FILLED:
+                    entry.param.ds_secondary_tensor = None
+                entry.state = EntryState.DISABLED
+                entry.slot = None
+                entry.placement = None
+                entry.disabled_reason = reason

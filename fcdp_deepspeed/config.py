@@ -1,0 +1,228 @@
+"""The ``"fcdp"`` block of a DeepSpeed config, validated strictly.
+
+The block sits at the top level of the DeepSpeed JSON (DeepSpeed ignores unknown top-level keys
+but rejects unknown keys inside ``zero_optimization``). It is a ``DeepSpeedConfigModel`` so a
+typo fails with the same strictness as DeepSpeed's own blocks, but errors are re-raised as
+:class:`FCDPConfigError` naming the key and the fix.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Optional, Union
+
+import hjson
+from pydantic import Field, ValidationError, field_validator
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+FCDP_KEY = "fcdp"
+
+
+class FCDPConfigError(ValueError):
+    """A bad ``fcdp`` block or a DeepSpeed config FCDP cannot run with. The message names the fix."""
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[kmgt]i?b|b)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: absolute bytes, a fraction of what is available, or ``auto``."""
+
+    kind: Literal["bytes", "fraction", "auto"]
+    value: float = 0.0
+
+    def resolve(self, available_bytes: int, auto_fraction: float) -> int:
+        """Bytes this budget allows, given the memory available when it is applied."""
+        if self.kind == "bytes":
+            return int(self.value)
+        fraction = auto_fraction if self.kind == "auto" else self.value
+        return int(max(0, available_bytes) * fraction)
+
+    @classmethod
+    def parse(cls, key: str, value: Any) -> "Budget":
+        """Parse ``123``, ``"20%"``, ``"8GiB"`` or ``"auto"``; raise naming ``key`` otherwise."""
+        if isinstance(value, bool):
+            raise FCDPConfigError(f"fcdp.{key}: expected bytes (int), a percentage string like \"20%\", "
+                                  f"a size like \"8GiB\" or \"auto\", got {value!r}.")
+        if isinstance(value, (int, float)):
+            if value < 0:
+                raise FCDPConfigError(f"fcdp.{key}: budget must be >= 0 bytes, got {value}. "
+                                      f"Fix: give a non-negative byte count or a percentage like \"20%\".")
+            return cls("bytes", float(int(value)))
+        if isinstance(value, str):
+            if value.strip().lower() == "auto":
+                return cls("auto")
+            m = _BUDGET_RE.match(value)
+            if m:
+                number, unit = float(m.group(1)), (m.group(2) or "").lower()
+                if unit == "%":
+                    if number > 100:
+                        raise FCDPConfigError(f"fcdp.{key}: percentage must be in 0..100, got {value!r}.")
+                    return cls("fraction", number / 100.0)
+                return cls("bytes", float(int(number * _UNITS[unit])))
+        raise FCDPConfigError(f"fcdp.{key}: cannot parse budget {value!r}. Fix: use bytes (e.g. 8589934592), "
+                              f"a percentage string (e.g. \"20%\"), a size (e.g. \"8GiB\") or \"auto\".")
+
+
+class FCDPConfig(DeepSpeedConfigModel):
+    """User-facing options of the ``"fcdp"`` block. Every field is optional."""
+
+    enabled: bool = False
+    """Turn FCDP on. Absent block or ``false``: the job runs as plain ZeRO-3, even after ``install()``."""
+
+    ranks_per_node: Optional[int] = Field(None, ge=1)
+    """Ranks per node (L). Default: detected from the launcher (torchrun ``GROUP_RANK``, deepspeed
+    ``CROSS_RANK``, ``SLURM_NODEID``, hostname). Setting it treats consecutive blocks of L global ranks
+    as one node, which is how several "nodes" are simulated on one machine."""
+
+    cache_device: Literal["host", "device", "auto"] = "auto"
+    """Where cached slices live. ``host``: pinned host memory only (zero accelerator overhead).
+    ``device``: accelerator memory within ``device_budget``, the rest on the host. ``auto``: host
+    first, promoted to the accelerator at step boundaries when measured headroom allows."""
+
+    host_budget: Union[int, str] = "50%"
+    """Host memory the cache may use per node: bytes, a size like ``"64GiB"`` or a percentage of
+    available host RAM measured at engine creation. Split evenly across the node's ranks. Slices that
+    do not fit stay uncached (plain ZeRO-3) with one warning."""
+
+    device_budget: Union[int, str] = "auto"
+    """Accelerator memory the cache may use per rank: bytes, a size, or a percentage of free
+    accelerator memory measured after the model and optimizer are built. ``auto``: in ``device``
+    mode 50% of that free memory; in ``auto`` mode half of the headroom left at the peak of the
+    first step, so the cache never takes memory a step needed."""
+
+    pin_memory: bool = True
+    """Pin the host pool (when the accelerator supports pinning) for fast, asynchronous H2D copies."""
+
+    keep_frozen: bool = True
+    """Frozen parameters (``requires_grad=False``) stay cached across optimizer steps (PEFT)."""
+
+    verify: Union[bool, float] = False
+    """Check cache hits against a plain ZeRO-3 gather of the same parameter and raise on any
+    difference. ``true`` checks every hit, a float in (0, 1] checks that fraction of hits. Costs one
+    extra full-group all-gather per checked hit; for debugging."""
+
+    min_numel: int = Field(0, ge=0)
+    """Parameters with fewer elements than this are not cached (their gather cost is latency-bound)."""
+
+    @field_validator("host_budget", "device_budget")
+    @classmethod
+    def _check_budget(cls, value: Any, info) -> Any:
+        Budget.parse(info.field_name, value)
+        return value
+
+    @field_validator("verify")
+    @classmethod
+    def _check_verify(cls, value: Any) -> Any:
+        if not isinstance(value, bool) and not (0.0 < float(value) <= 1.0):
+            raise FCDPConfigError(f"fcdp.verify: expected true/false or a sampling rate in (0, 1], got {value!r}.")
+        return value
+
+    @property
+    def host_budget_spec(self) -> Budget:
+        return Budget.parse("host_budget", self.host_budget)
+
+    @property
+    def device_budget_spec(self) -> Budget:
+        return Budget.parse("device_budget", self.device_budget)
+
+    @property
+    def verify_rate(self) -> float:
+        """Fraction of cache hits that are checked (0 when verification is off)."""
+        if isinstance(self.verify, bool):
+            return 1.0 if self.verify else 0.0
+        return float(self.verify)
+
+
+def allowed_keys() -> list[str]:
+    return sorted(FCDPConfig.model_fields)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    msgs = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e.get("loc", ())) or "<block>"
+        if e.get("type") == "extra_forbidden":
+            msgs.append(f"unknown key {FCDP_KEY}.{key}. Allowed keys: {', '.join(allowed_keys())}. "
+                        f"Fix: remove or rename it.")
+        else:
+            msg = str(e.get("msg", "")).removeprefix("Value error, ")
+            msgs.append(msg if msg.startswith(f"{FCDP_KEY}.") else f"{FCDP_KEY}.{key} = {e.get('input')!r}: {msg}.")
+    return "invalid \"fcdp\" config block: " + " ".join(msgs)
+
+
+def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], Any, None]) -> dict:
+    """Return a DeepSpeed config as a dict: from a dict, a path (read with hjson, as DeepSpeed does),
+    or an object with ``_param_dict``/``config`` (DeepSpeedConfig, HF's HfDeepSpeedConfig)."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, "r") as f:
+            return dict(hjson.load(f))
+    for attr in ("_param_dict", "config"):
+        inner = getattr(config, attr, None)
+        if isinstance(inner, Mapping):
+            return dict(inner)
+    raise FCDPConfigError(f"cannot read a DeepSpeed config from {type(config).__name__}; "
+                          f"pass a dict or a path to a JSON/HJSON file.")
+
+
+def parse_fcdp_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], Any, None]) -> FCDPConfig:
+    """Parse the ``fcdp`` block of a DeepSpeed config (absent block: disabled)."""
+    block = load_ds_config(ds_config).get(FCDP_KEY)
+    if block is None:
+        return FCDPConfig()
+    if isinstance(block, bool):
+        return FCDPConfig(enabled=block)
+    if not isinstance(block, Mapping):
+        raise FCDPConfigError(f"\"fcdp\" must be an object like {{\"enabled\": true}}, got {block!r}.")
+    try:
+        return FCDPConfig(**dict(block))
+    except ValidationError as err:
+        raise FCDPConfigError(_format_validation_error(err)) from None
+
+
+def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
+    """Refuse DeepSpeed features FCDP cannot run correctly, before anything is built.
+
+    Why: each of these bypasses or reshapes the stage-3 fetch path the cache hooks (quantized
+    secondaries, NVMe swap-in on every fetch, compiled graphs without module hooks), so running
+    them would be wrong rather than slow.
+    """
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = get_zero_config(dict(ds_config))
+    stage = int(zero.stage)
+    if stage != 3:
+        raise FCDPConfigError(f"fcdp requires ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}. "
+                              f"Fix: set \"zero_optimization\": {{\"stage\": 3}} or set \"fcdp\": {{\"enabled\": false}}.")
+    problems = []
+    if zero.zero_hpz_partition_size > 1:
+        problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
+                        "topology-derived node cache. Fix: remove zero_hpz_partition_size")
+    if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
+        problems.append("zero_optimization.zero_quantized_weights / zero_quantized_nontrainable_weights (ZeRO++ qwZ) "
+                        "are not supported with fcdp. Fix: set them to false")
+    if zero.offload_param is not None and str(getattr(zero.offload_param.device, "value",
+                                                      zero.offload_param.device)) == "nvme":
+        problems.append("zero_optimization.offload_param.device = nvme is not supported with fcdp. "
+                        "Fix: use \"cpu\" or \"none\"")
+    if zero.zenflow is not None:
+        problems.append("zero_optimization.zenflow is not supported with fcdp (it installs its own stage-3 hooks). "
+                        "Fix: remove the zenflow block")
+    if zero.offload_optimizer is not None and getattr(zero.offload_optimizer, "super_offload", False):
+        problems.append("zero_optimization.offload_optimizer.super_offload is not supported with fcdp "
+                        "(it uses a different stage-3 optimizer class). Fix: set super_offload false")
+    compile_cfg = ds_config.get("compile") or {}
+    if isinstance(compile_cfg, Mapping) and compile_cfg.get("deepcompile"):
+        problems.append("compile.deepcompile removes the stage-3 module hooks FCDP relies on. "
+                        "Fix: set compile.deepcompile false")
+    if problems:
+        raise FCDPConfigError("fcdp cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")

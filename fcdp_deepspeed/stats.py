@@ -1,0 +1,238 @@
+"""Collective byte counting by link class, and per-engine FCDP counters.
+
+DeepSpeed's comms logger keys records by message size only (no process group), so it cannot tell
+an intra-node gather from an inter-node one. Every DeepSpeed collective goes through the backend
+object ``deepspeed.comm.comm.cdb``; wrapping its methods once counts every collective, whichever
+DeepSpeed path issued it (coordinator, ``GatheredParameters``, gradient reduce-scatter).
+
+Byte model: the bytes *this rank receives* in the collective, assuming ring/bandwidth-optimal
+algorithms (all-gather: (W-1) input chunks; reduce-scatter: (W-1)/W of the input; all-reduce:
+2(W-1)/W of the tensor). A collective is *inter-node* when its group spans more than one node.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+import deepspeed.comm.comm as _comm_module  # the live ``cdb`` global (the package re-export is a stale copy)
+
+INTER = "inter_node"
+INTRA = "intra_node"
+
+# Argument names of the TorchBackend methods we wrap (its decorators hide the signatures).
+_ARGS = {
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_coalesced": ("output_tensors", "input_tensors", "group", "async_op"),
+    "reduce_scatter_tensor": ("output_tensor", "input_tensor", "op", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "all_reduce": ("tensor", "op", "group", "async_op"),
+    "inference_all_reduce": ("tensor", "op", "group"),
+    "all_reduce_coalesced": ("tensors", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+}
+#: Op family each backend method is reported under.
+OP_FAMILY = {
+    "all_gather_into_tensor": "allgather", "all_gather": "allgather", "all_gather_coalesced": "allgather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+    "all_reduce": "allreduce", "inference_all_reduce": "allreduce", "all_reduce_coalesced": "allreduce",
+    "broadcast": "broadcast", "all_to_all_single": "alltoall",
+}
+
+
+def _nbytes(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def received_bytes(method: str, args: dict, world: int, rank_in_group: int) -> int:
+    """Bytes this rank receives in one collective under the ring byte model (see module doc)."""
+    if world <= 1:
+        return 0
+    if method == "all_gather_into_tensor":
+        return _nbytes(args.get("input_tensor")) * (world - 1)
+    if method == "all_gather":
+        return _nbytes(args.get("tensor")) * (world - 1)
+    if method == "all_gather_coalesced":
+        return _nbytes(args.get("input_tensors")) * (world - 1)
+    if method in ("reduce_scatter_tensor", "all_to_all_single"):
+        return _nbytes(args.get("input_tensor", args.get("input"))) * (world - 1) // world
+    if method == "reduce_scatter":
+        return _nbytes(args.get("input_list")) * (world - 1) // world
+    if method in ("all_reduce", "inference_all_reduce"):
+        return 2 * _nbytes(args.get("tensor")) * (world - 1) // world
+    if method == "all_reduce_coalesced":
+        return 2 * _nbytes(args.get("tensors")) * (world - 1) // world
+    if method == "broadcast":
+        return 0 if rank_in_group == args.get("src") else _nbytes(args.get("tensor"))
+    return 0
+
+
+@dataclass
+class CommCounters:
+    """Bytes and calls per (op family, link class). Thread-safe: backward runs on autograd threads."""
+
+    bytes: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, family: str, link: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[(family, link)] += nbytes
+            self.calls[(family, link)] += 1
+
+    def get(self, family: str, link: str) -> tuple[int, int]:
+        with self._lock:
+            return self.bytes[(family, link)], self.calls[(family, link)]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            out = {}
+            for (family, link), nbytes in self.bytes.items():
+                out[f"{link}_{family}_bytes"] = nbytes
+                out[f"{link}_{family}_calls"] = self.calls[(family, link)]
+            return out
+
+
+class CommLedger:
+    """Process-wide collective counter with per-thread attribution to engine counters.
+
+    One per process because there is one communication backend per process.
+    """
+
+    def __init__(self) -> None:
+        self.totals = CommCounters()
+        self._local = threading.local()
+        self._node_of_rank: Optional[Sequence[str]] = None
+        self._group_cache: dict[int, tuple[tuple[int, ...], int]] = {}
+        self._originals: dict[str, Callable] = {}
+        self._backend: Any = None
+
+    # -- installation ------------------------------------------------------------------------
+    def install(self, node_of_rank: Sequence[str]) -> None:
+        """Wrap the backend's collectives (idempotent); ``node_of_rank`` classifies groups."""
+        self._node_of_rank = tuple(node_of_rank)
+        backend = _comm_module.cdb
+        if self._backend is backend:
+            return
+        self._backend = backend
+        self._group_cache.clear()
+        for method in _ARGS:
+            original = getattr(backend, method, None)
+            if original is None:
+                continue
+            self._originals[method] = original
+            setattr(backend, method, self._wrap(method, original))
+
+    def uninstall(self) -> None:
+        if self._backend is not None:
+            for method, original in self._originals.items():
+                setattr(self._backend, method, original)
+        self._originals.clear()
+        self._backend = None
+
+    @property
+    def installed(self) -> bool:
+        return self._backend is not None and self._backend is _comm_module.cdb
+
+    def _wrap(self, method: str, original: Callable) -> Callable:
+        names = _ARGS[method]
+
+        def counted(*args, **kwargs):
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            self._record(method, bound)
+            return original(*args, **kwargs)
+
+        counted.__wrapped__ = original  # type: ignore[attr-defined]
+        return counted
+
+    # -- recording ---------------------------------------------------------------------------
+    def _group_info(self, group: Any) -> tuple[tuple[int, ...], int]:
+        key = id(group)
+        info = self._group_cache.get(key)
+        if info is None:
+            from fcdp_deepspeed.topology import group_ranks
+            ranks = group_ranks(group)
+            me = dist.get_rank()
+            info = (ranks, ranks.index(me) if me in ranks else -1)
+            self._group_cache[key] = info
+        return info
+
+    def link_of(self, ranks: Sequence[int]) -> str:
+        nodes = self._node_of_rank
+        if nodes is None:
+            return INTER
+        return INTER if len({nodes[r] for r in ranks}) > 1 else INTRA
+
+    def _record(self, method: str, args: dict) -> None:
+        ranks, me = self._group_info(args.get("group"))
+        nbytes = received_bytes(method, args, len(ranks), me)
+        if len(ranks) <= 1:
+            return
+        family, link = OP_FAMILY[method], self.link_of(ranks)
+        self.totals.add(family, link, nbytes)
+        for sink in getattr(self._local, "sinks", ()):
+            sink.add(family, link, nbytes)
+
+    @contextmanager
+    def attribute(self, sink: CommCounters) -> Iterator[None]:
+        """Also count collectives issued by this thread inside the block into ``sink``."""
+        stack = getattr(self._local, "sinks", ())
+        if sink in stack:
+            yield
+            return
+        self._local.sinks = stack + (sink, )
+        try:
+            yield
+        finally:
+            self._local.sinks = stack
+
+
+#: The process-wide ledger (one communication backend per process).
+LEDGER = CommLedger()
+
+
+@dataclass
+class CacheCounters:
+    """Per-engine cache events. Thread-safe for the same reason as :class:`CommCounters`."""
+
+    hits: int = 0
+    misses: int = 0
+    uncached_fetches: int = 0
+    fills: int = 0
+    refreshes: int = 0
+    invalidations: Counter = field(default_factory=Counter)
+    verified_hits: int = 0
+    optimizer_steps: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bump(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def invalidated(self, reason: str, count: int) -> None:
+        with self._lock:
+            self.invalidations[reason] += count
+
+
+def format_stats_line(stats: dict) -> str:
+    """One log line for rank 0 every ``steps_per_print`` steps."""
+    lookups = stats["cache_hits"] + stats["cache_misses"]
+    hit_rate = stats["cache_hits"] / lookups if lookups else 0.0
+    mib = 2.0**20
+    return (f"[fcdp] step {stats['optimizer_steps']}: allgather inter-node {stats['inter_node_allgather_bytes'] / mib:.1f} MiB "
+            f"intra-node {stats['intra_node_allgather_bytes'] / mib:.1f} MiB, cache hit rate {hit_rate:.1%} "
+            f"({stats['cache_hits']} hits / {stats['cache_misses']} misses), cache host "
+            f"{stats['host_cache_bytes'] / mib:.1f} MiB device {stats['device_cache_bytes'] / mib:.1f} MiB")
