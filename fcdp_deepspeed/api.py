@@ -62,17 +62,20 @@ def get_stats(engine: Any) -> dict:
     all-gathers whose group spans nodes / stays in a node). For an engine without FCDP, the cache
     keys are 0 and the byte keys are this process's totals (see :func:`enable_comm_counting`).
     """
-    runtime = getattr(getattr(engine, "optimizer", None), "fcdp", None)
+    optimizer = getattr(engine, "optimizer", None)
+    runtime = getattr(optimizer, "fcdp", None)
     if runtime is not None:
         out = runtime.stats()
     else:
+        since = LEDGER.totals.minus(getattr(optimizer, "fcdp_baseline", None))
         out = {
-            "inter_node_allgather_bytes": LEDGER.totals.get("allgather", INTER)[0],
-            "intra_node_allgather_bytes": LEDGER.totals.get("allgather", INTRA)[0],
-            "inter_node_allgather_calls": LEDGER.totals.get("allgather", INTER)[1],
-            "intra_node_allgather_calls": LEDGER.totals.get("allgather", INTRA)[1],
+            "inter_node_allgather_bytes": since.get("allgather", INTER)[0],
+            "intra_node_allgather_bytes": since.get("allgather", INTRA)[0],
+            "inter_node_allgather_calls": since.get("allgather", INTER)[1],
+            "intra_node_allgather_calls": since.get("allgather", INTRA)[1],
             "cache_hits": 0, "cache_misses": 0, "host_cache_bytes": 0, "device_cache_bytes": 0,
             "fcdp_enabled": False,
+            **since.snapshot(),
         }
     out.setdefault("fcdp_enabled", True)
     out.update(_process_totals())

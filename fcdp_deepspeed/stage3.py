@@ -22,6 +22,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed.config import check_ds_config_compatible, load_ds_config, parse_fcdp_config
 from fcdp_deepspeed.runtime import FCDPRuntime
+from fcdp_deepspeed.stats import LEDGER
 
 
 class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
@@ -34,6 +35,8 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
             check_ds_config_compatible(ds_config)
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         super().__init__(module, init_optimizer, *args, **kwargs)
+        # Plain engines report process-wide collective bytes since this point (see get_stats).
+        self.fcdp_baseline = LEDGER.totals.copy()
         if fcdp_config.enabled:
             params = [p for group in self.fp16_groups for p in group]
             self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,

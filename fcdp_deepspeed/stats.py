@@ -95,6 +95,17 @@ class CommCounters:
         with self._lock:
             return self.bytes[(family, link)], self.calls[(family, link)]
 
+    def copy(self) -> "CommCounters":
+        with self._lock:
+            return CommCounters(bytes=Counter(self.bytes), calls=Counter(self.calls))
+
+    def minus(self, other: Optional["CommCounters"]) -> "CommCounters":
+        """Counts since ``other`` was copied from this ledger."""
+        if other is None:
+            return self.copy()
+        with self._lock:
+            return CommCounters(bytes=self.bytes - other.bytes, calls=self.calls - other.calls)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             out = {}

@@ -55,7 +55,8 @@ class ToyModel(torch.nn.Module):
 
 
 def ds_config(fcdp: Optional[dict] = None, *, regime: str = "large", grad_accum: int = 1, micro_batch: int = 4,
-              lr: float = 1e-2, dtype: str = "fp32", hpz: int = 0, **zero_extra: Any) -> dict:
+              lr: float = 1e-2, dtype: str = "fp32", hpz: int = 0, loss_scale_power: int = 8,
+              **zero_extra: Any) -> dict:
     """A ZeRO-3 config for the toy jobs.
 
     ``regime="large"`` releases every parameter after use (``stage3_max_reuse_distance=0``,
@@ -79,6 +80,8 @@ def ds_config(fcdp: Optional[dict] = None, *, regime: str = "large", grad_accum:
     }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": loss_scale_power}
     if fcdp is not None:
         cfg["fcdp"] = fcdp
     return cfg
@@ -115,7 +118,8 @@ def build_engine(cfg: dict, *, hidden: int = 32, layers: int = 4, lora_rank: int
     fcdp_deepspeed.install()
     torch.manual_seed(seed)
     if zero_init:
-        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.float32):
+        # dtype comes from the config (passing dtype= hits a precedence bug in Init._set_dtype on CPU)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = ToyModel(hidden, layers, lora_rank, activation_checkpointing)
     else:
         model = ToyModel(hidden, layers, lora_rank, activation_checkpointing)
@@ -125,8 +129,12 @@ def build_engine(cfg: dict, *, hidden: int = 32, layers: int = 4, lora_rank: int
 
 
 def train(engine, steps: int, *, hidden: int = 32, seed: int = 0, record_step_stats: bool = False,
-          dtype: torch.dtype = torch.float32) -> RunResult:
-    """``steps`` optimizer steps (``grad_accum`` micro-steps each); losses per micro-step."""
+          record_phases: bool = False, dtype: torch.dtype = torch.float32) -> RunResult:
+    """``steps`` optimizer steps (``grad_accum`` micro-steps each); losses per micro-step.
+
+    ``record_phases`` stores stats after every forward and backward in ``extra["phases"]`` as
+    ``(micro_step, "forward"|"backward", stats)`` to attribute traffic to a phase.
+    """
     import fcdp_deepspeed
     result = RunResult()
     ga = engine.gradient_accumulation_steps()
@@ -137,7 +145,11 @@ def train(engine, steps: int, *, hidden: int = 32, seed: int = 0, record_step_st
         for _ in range(ga):
             x, y = batch(micro, mb, hidden, seed)
             loss = F.mse_loss(engine(x.to(dtype)).float(), y)
+            if record_phases:
+                result.extra.setdefault("phases", []).append((micro, "forward", fcdp_deepspeed.get_stats(engine)))
             engine.backward(loss)
+            if record_phases:
+                result.extra["phases"].append((micro, "backward", fcdp_deepspeed.get_stats(engine)))
             engine.step()
             result.losses.append(loss.item())
             micro += 1

@@ -1,0 +1,103 @@
+"""The fcdp block and the DeepSpeed configs FCDP refuses: each error names the key and the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fcdp_deepspeed.config import (Budget, FCDPConfigError, check_ds_config_compatible, load_ds_config,
+                                   parse_fcdp_config)
+from fcdp_deepspeed import toy
+
+
+def test_absent_or_disabled_block_is_plain():
+    assert not parse_fcdp_config({}).enabled
+    assert not parse_fcdp_config({"fcdp": {"enabled": False}}).enabled
+    assert parse_fcdp_config({"fcdp": {"enabled": True}}).enabled
+
+
+def test_unknown_key_names_key_and_allowed_keys():
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, "cache_devcie": "host"}})
+    msg = str(err.value)
+    assert "fcdp.cache_devcie" in msg and "cache_device" in msg and "Allowed keys" in msg
+
+
+@pytest.mark.parametrize("block, key", [
+    ({"ranks_per_node": "two"}, "ranks_per_node"),
+    ({"ranks_per_node": 0}, "ranks_per_node"),
+    ({"cache_device": "gpu"}, "cache_device"),
+    ({"enabled": "maybe"}, "enabled"),
+    ({"host_budget": -1}, "host_budget"),
+    ({"host_budget": "lots"}, "host_budget"),
+    ({"device_budget": "150%"}, "device_budget"),
+    ({"verify": 1.5}, "verify"),
+    ({"min_numel": -3}, "min_numel"),
+])
+def test_bad_values_name_the_key(block, key):
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, **block}})
+    assert f"fcdp.{key}" in str(err.value)
+
+
+def test_block_must_be_an_object():
+    with pytest.raises(FCDPConfigError):
+        parse_fcdp_config({"fcdp": "yes"})
+
+
+@pytest.mark.parametrize("value, available, expected", [
+    (1000, 10**9, 1000),
+    ("20%", 1000, 200),
+    ("1KiB", 0, 1024),
+    ("2GB", 0, 2 * 10**9),
+    ("auto", 1000, 500),
+])
+def test_budget_resolution(value, available, expected):
+    assert Budget.parse("host_budget", value).resolve(available, auto_fraction=0.5) == expected
+
+
+def test_hjson_file_with_comments(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text("""{
+      // DeepSpeed reads configs with hjson, so comments are allowed
+      "zero_optimization": {"stage": 3},
+      "fcdp": {"enabled": true, "ranks_per_node": 2}  # trailing comment
+    }""")
+    cfg = parse_fcdp_config(str(path))
+    assert cfg.enabled and cfg.ranks_per_node == 2
+    assert load_ds_config(path)["zero_optimization"]["stage"] == 3
+
+
+def test_deepspeed_accepts_the_top_level_block():
+    from deepspeed.runtime.config import DeepSpeedConfig
+    cfg = toy.ds_config({"enabled": True})
+    DeepSpeedConfig(json.loads(json.dumps(cfg)))  # no error: DeepSpeed ignores unknown top-level keys
+
+
+@pytest.mark.parametrize("zero, extra, needle", [
+    ({"stage": 2}, {}, "stage 3"),
+    ({"stage": 3, "zero_hpz_partition_size": 2}, {}, "zero_hpz_partition_size"),
+    ({"stage": 3, "zero_quantized_weights": True}, {}, "zero_quantized_weights"),
+    ({"stage": 3, "zero_quantized_nontrainable_weights": True}, {}, "zero_quantized"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, {}, "nvme"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}, {}, "super_offload"),
+    ({"stage": 3}, {"compile": {"deepcompile": True}}, "deepcompile"),
+])
+def test_incompatible_deepspeed_configs_are_refused(zero, extra, needle):
+    with pytest.raises(FCDPConfigError) as err:
+        check_ds_config_compatible({"zero_optimization": zero, **extra})
+    assert needle in str(err.value) and "Fix" in str(err.value)
+
+
+def test_compatible_config_passes():
+    check_ds_config_compatible({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+
+
+def test_version_gate(monkeypatch):
+    from fcdp_deepspeed._compat import ALLOW_UNTESTED_ENV, UnsupportedDeepSpeedVersion, check_deepspeed_version
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    assert check_deepspeed_version("0.19.8") == "0.19.8"
+    with pytest.raises(UnsupportedDeepSpeedVersion, match="deepspeed==0.19.8"):
+        check_deepspeed_version("0.20.1")
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    assert check_deepspeed_version("0.20.1") == "0.20.1"
