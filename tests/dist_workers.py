@@ -45,3 +45,28 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2) -> dict:
     setup(ranks_per_node)
     return {sc["name"]: {mode: run_scenario(sc, mode == "fcdp", ranks_per_node) for mode in ("plain", "fcdp")}
             for sc in scenarios}
+
+
+def stale_probe(break_invalidation: bool, verify: bool = False, steps: int = 3) -> dict:
+    """Train with FCDP, optionally with invalidation switched off, to show a stale cache is caught."""
+    from fcdp_deepspeed.runtime import FCDPRuntime, StaleCacheError
+    setup()
+    if break_invalidation:
+        FCDPRuntime.invalidate_params = lambda self, params, reason: 0
+        FCDPRuntime.invalidate_changed = lambda self: None
+    sc = {"fcdp": {"verify": True}} if verify else {}
+    plain = run_scenario({"steps": steps}, fcdp=False)
+    try:
+        fcdp = run_scenario({"steps": steps, **sc}, fcdp=True)
+    except StaleCacheError as err:
+        return {"raised": str(err), "plain": plain.losses}
+    return {"raised": None, "plain": plain.losses, "fcdp": fcdp.losses, "stats": fcdp.stats}
+
+
+def launcher_parity(steps: int = 3) -> dict:
+    """Under a real launcher: the node layout comes from its environment, not from an override."""
+    setup(ranks_per_node=None)
+    out = {mode: run_scenario({"steps": steps}, mode == "fcdp", ranks_per_node=None) for mode in ("plain", "fcdp")}
+    import os
+    out["env"] = {k: os.environ.get(k) for k in ("GROUP_RANK", "CROSS_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "RANK")}
+    return out

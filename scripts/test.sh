@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh test,hf
+export DS_ACCELERATOR=cpu
+python -m pytest -ra "$@"
