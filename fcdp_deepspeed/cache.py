@@ -59,7 +59,6 @@ class CacheEntry:
     placement: Optional[Placement] = None
     slot: Optional[torch.Tensor] = field(default=None, repr=False)
     disabled_reason: str = ""
-    filled_requires_grad: bool = False
     hits: int = 0
     checksum: Optional[float] = None
 
@@ -149,7 +148,7 @@ class NodeCache:
         self.counters = counters
         self.checksums = checksums
         self.entries: dict[int, CacheEntry] = {}  # by ds_id
-        self.pools = {p: None for p in Placement}  # type: dict[Placement, Optional[SlotPool]]
+        self.pools: dict[Placement, Optional[SlotPool]] = {p: None for p in Placement}
         # Fills run on the releasing thread (forward: main thread; backward: autograd threads).
         self._lock = threading.RLock()
 
@@ -204,7 +203,6 @@ class NodeCache:
         slot.status = PartitionedParamStatus.AVAILABLE
         slot.final_location = None
         entry.checksum = float(slot.double().sum()) if self.checksums else None
-        entry.filled_requires_grad = param.requires_grad
         entry.state = EntryState.FILLED
         param.ds_secondary_tensor = slot
         self.counters.bump(refreshes=1) if refresh else self.counters.bump(fills=1)

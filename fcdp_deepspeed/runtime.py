@@ -320,19 +320,12 @@ class FCDPRuntime:
     def invalidate_changed(self) -> None:
         """Optimizer step boundary: drop every entry the step may have changed.
 
-        Kept: frozen params (``keep_frozen``) that the optimizer does not own and whose
-        ``requires_grad`` is still what it was when they were cached. Everything else goes,
-        which covers params unfrozen or frozen between steps.
+        Kept: frozen params (``keep_frozen``) the optimizer does not own. A param unfrozen between
+        steps requires grad now, so it is dropped too and never served as a stale "frozen" value.
         """
-        stale, flipped = [], []
-        for entry in self.cache.entries.values():
-            param = entry.param
-            if param.requires_grad != entry.filled_requires_grad:
-                flipped.append(entry)
-            elif param.requires_grad or param.ds_id in self.optimizer_ids or not self.config.keep_frozen:
-                stale.append(entry)
+        stale = [e for e in self.cache.entries.values()
+                 if e.param.requires_grad or e.param.ds_id in self.optimizer_ids or not self.config.keep_frozen]
         self.cache.invalidate(stale, "optimizer_step")
-        self.cache.invalidate(flipped, "requires_grad_changed")
 
     def flush(self, reason: str) -> None:
         self.cache.invalidate(list(self.cache.entries.values()), reason)

@@ -18,6 +18,8 @@ An overflow-skipped step returns before any of these: nothing changed, nothing i
 """
 from __future__ import annotations
 
+import contextlib
+
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed.config import check_ds_config_compatible, load_ds_config, parse_fcdp_config
@@ -41,6 +43,22 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
             params = [p for group in self.fp16_groups for p in group]
             self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                     param_names=self.param_names).activate()
+
+    # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
+    def _attributed(self):
+        return LEDGER.attribute(self.fcdp.comm) if self.fcdp is not None else contextlib.nullcontext()
+
+    def reduce_ready_partitions_and_remove_grads(self, param) -> None:
+        with self._attributed():
+            super().reduce_ready_partitions_and_remove_grads(param)
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        with self._attributed():
+            super().independent_gradient_partition_epilogue()
+
+    def step(self, closure=None):
+        with self._attributed():
+            return super().step(closure)
 
     def _unflatten_partitioned_parameters(self, sub_group_id: int) -> None:
         super()._unflatten_partitioned_parameters(sub_group_id)

@@ -128,6 +128,15 @@ def build_engine(cfg: dict, *, hidden: int = 32, layers: int = 4, lora_rank: int
     return engine
 
 
+def evaluate(engine, x: torch.Tensor) -> torch.Tensor:
+    """A ``no_grad`` forward in eval mode (what an evaluation loop between steps does)."""
+    engine.eval()
+    with torch.no_grad():
+        out = engine(x).detach().float().clone()
+    engine.train()
+    return out
+
+
 def train(engine, steps: int, *, hidden: int = 32, seed: int = 0, record_step_stats: bool = False,
           record_phases: bool = False, dtype: torch.dtype = torch.float32) -> RunResult:
     """``steps`` optimizer steps (``grad_accum`` micro-steps each); losses per micro-step.

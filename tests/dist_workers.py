@@ -70,3 +70,84 @@ def launcher_parity(steps: int = 3) -> dict:
     import os
     out["env"] = {k: os.environ.get(k) for k in ("GROUP_RANK", "CROSS_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "RANK")}
     return out
+
+
+def _inter(engine) -> int:
+    return fcdp_deepspeed.get_stats(engine)["inter_node_allgather_bytes"]
+
+
+def peft_traffic(steps: int = 4, hidden: int = 256, lora_rank: int = 1, grad_accum: int = 1) -> dict:
+    """LoRA-style model (frozen base), plain vs FCDP: per-step traffic, then two evals after training."""
+    setup()
+    out = {}
+    for mode in ("plain", "fcdp"):
+        cfg = toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large", grad_accum=grad_accum)
+        engine = toy.build_engine(cfg, hidden=hidden, lora_rank=lora_rank)
+        res = toy.train(engine, steps, hidden=hidden, record_step_stats=True, record_phases=True)
+        x_eval = torch.randn(2, hidden, generator=torch.Generator().manual_seed(123))
+        evals = []
+        for _ in range(2):
+            before = _inter(engine)
+            output = toy.evaluate(engine, x_eval)
+            evals.append({"inter": _inter(engine) - before, "output": output})
+        res.stats = fcdp_deepspeed.get_stats(engine)
+        weights = toy.gather_weights(engine)
+        res.weights = {k: v for k, v in weights.items() if "lora_" in k} if dist.get_rank() == 0 else {}
+        res.extra["evals"] = evals
+        res.extra["trainable_numel"] = sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad)
+        out[mode] = res
+    return out
+
+
+def _forward(engine, hidden: int) -> torch.Tensor:
+    return toy.evaluate(engine, torch.randn(2, hidden, generator=torch.Generator().manual_seed(7)))
+
+
+def _edit_frozen(engine, delta: float) -> None:
+    """``GatheredParameters(modifier_rank=0)``: rank 0 edits a frozen weight, DeepSpeed broadcasts it."""
+    param = engine.module.blocks[1].fc.weight
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if dist.get_rank() == 0:
+            param.data.add_(delta)
+
+
+def invalidation_events(ckpt_dir: str, hidden: int = 64, lora_rank: int = 2) -> dict:
+    """Every value-changing event, plain vs FCDP: outputs and losses after each must be identical."""
+    setup()
+    out: dict = {}
+    for mode in ("plain", "fcdp"):
+        rec: dict = {}
+        cfg = toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large")
+        engine = toy.build_engine(cfg, hidden=hidden, lora_rank=lora_rank)
+        train = lambda n, seed: toy.train(engine, n, hidden=hidden, seed=seed).losses  # noqa: E731
+        rec["warm"] = train(2, 0)
+        engine.save_checkpoint(ckpt_dir, tag=f"{mode}-s2")
+        rec["warm_fwd"] = _forward(engine, hidden)  # re-fills the cache the save flushed
+        # 1. GatheredParameters edit of a frozen (cached) weight on rank 0 only.
+        _edit_frozen(engine, 0.5)
+        rec["after_edit_fwd"] = _forward(engine, hidden)
+        rec["after_edit_train"] = train(2, 1)
+        # 2. load_checkpoint restores frozen + trainable values written before the edit.
+        engine.load_checkpoint(ckpt_dir, tag=f"{mode}-s2")
+        rec["after_load_fwd"] = _forward(engine, hidden)
+        rec["after_load_train"] = train(1, 2)
+        # 3. 16-bit consolidation in the middle of training.
+        engine.save_16bit_model(ckpt_dir, f"{mode}-model.bin")
+        rec["after_16bit_train"] = train(2, 3)
+        # 4. Unfreeze a frozen (cached) layer between steps, then freeze a trainable one.
+        unfrozen = engine.module.blocks[0].fc.weight
+        before = toy.gather_weights(engine)["blocks.0.fc.weight"]
+        unfrozen.requires_grad = True
+        rec["after_unfreeze_train"] = train(2, 4)
+        rec["unfrozen_changed"] = not torch.equal(before, toy.gather_weights(engine)["blocks.0.fc.weight"])
+        engine.module.blocks[2].lora_a.requires_grad = False
+        rec["after_freeze_train"] = train(2, 5)
+        rec["stats"] = fcdp_deepspeed.get_stats(engine)
+        weights = toy.gather_weights(engine)
+        rec["weights"] = weights if dist.get_rank() == 0 else {}
+        # A fresh plain engine (different init) loading the checkpoint is the reference for the load.
+        fresh = toy.build_engine(toy.ds_config(None, regime="large"), hidden=hidden, lora_rank=lora_rank, seed=99)
+        fresh.load_checkpoint(ckpt_dir, tag=f"{mode}-s2")
+        rec["fresh_load_fwd"] = _forward(fresh, hidden)
+        out[mode] = rec
+    return out
