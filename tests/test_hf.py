@@ -1,0 +1,49 @@
+"""Hugging Face Trainer and accelerate with the fcdp block: tiny config-built Llama, 4 CPU ranks
+(2 simulated nodes x 2), full fine-tune and PEFT LoRA, against plain ZeRO-3."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from conftest import run_ranks  # noqa: E402
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+LORA_CFG = os.path.join(CONFIGS, "hf_lora_fcdp.json")
+FULL_CFG = os.path.join(CONFIGS, "hf_full_fcdp.json")
+
+
+def _pair(runner: str, use_peft: bool, cfg: str, steps: int = 4):
+    kw = dict(steps=steps, ranks_per_node=2, runner=runner, use_peft=use_peft, ds_config=cfg)
+    return run_ranks("hf_run", 4, timeout=600, fcdp=False, **kw), run_ranks("hf_run", 4, timeout=600, fcdp=True, **kw)
+
+
+def _per_step(rec):
+    s = rec["step_stats"]
+    return [b["inter_node_allgather_bytes"] - a["inter_node_allgather_bytes"] for a, b in zip(s, s[1:])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["trainer", "accelerate"])
+def test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic(runner):
+    plain, fcdp = _pair(runner, True, LORA_CFG)
+    for p, f in zip(plain, fcdp):
+        assert f["optimizer_class"] == "FCDPStage3" and f["stats"]["cache_hits"] > 0
+        assert f["losses"] == p["losses"]
+        saved = 1 - sum(_per_step(f)) / sum(_per_step(p))
+        assert saved > 0.99, (_per_step(p), _per_step(f))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["trainer", "accelerate"])
+def test_full_finetune_matches_zero3_with_half_the_inter_node_traffic(runner):
+    plain, fcdp = _pair(runner, False, FULL_CFG)
+    for p, f in zip(plain, fcdp):
+        assert f["losses"] == p["losses"]
+        assert f["stats"]["uncached_params"] == 0
+        for pb, fb in zip(_per_step(p), _per_step(f)):
+            assert fb <= 0.55 * pb
