@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import enum
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -61,6 +62,8 @@ class CacheEntry:
     disabled_reason: str = ""
     hits: int = 0
     checksum: Optional[float] = None
+    staged: Optional[torch.Tensor] = field(default=None, repr=False)
+    """Device copy of a host slot while one gather is being issued (see ``NodeCache.staged``)."""
 
     @property
     def valid_numel(self) -> int:
@@ -92,6 +95,12 @@ class SlotPool:
     @property
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks)
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes actually page-locked (0 where the accelerator cannot pin host memory, e.g. the CPU)."""
+        acc = get_accelerator()
+        return sum(c.numel() * c.element_size() for c in self.chunks if self.pin and acc.is_pinned(c))
 
     def _device(self) -> str:
         return "cpu" if self.placement is Placement.HOST else get_accelerator().current_device_name()
@@ -167,8 +176,63 @@ class NodeCache:
     # -- transitions --------------------------------------------------------------------------
     def _reconcile(self, entry: CacheEntry) -> None:
         """Catch an external drop of the secondary (e.g. DeepSpeed's own invalidation)."""
-        if entry.state is EntryState.FILLED and entry.param.ds_secondary_tensor is not entry.slot:
+        current = entry.param.ds_secondary_tensor
+        if entry.state is EntryState.FILLED and current is not entry.slot and current is not entry.staged:
             entry.state = EntryState.EMPTY
+
+    @staticmethod
+    def _tag(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+        """The attributes DeepSpeed's hpZ path expects on a secondary tensor."""
+        tensor.ds_numel = numel
+        tensor.status = PartitionedParamStatus.AVAILABLE
+        tensor.final_location = None
+        return tensor
+
+    @contextmanager
+    def staged(self, entries: Iterable[CacheEntry]) -> Iterator[None]:
+        """Serve host-resident hits from device copies issued asynchronously.
+
+        Called while DeepSpeed issues a gather, i.e. on its all-gather stream: the copies from the
+        pinned pool are non-blocking on that stream, so they overlap compute on the default stream
+        and are ordered before the gather that reads them. On a CPU accelerator nothing is copied.
+        """
+        device = get_accelerator().current_device_name()
+        if torch.device(device).type == "cpu":
+            yield
+            return
+        moved = []
+        with self._lock:
+            for e in entries:
+                if e.placement is Placement.HOST and e.state is EntryState.FILLED and e.slot is not None:
+                    e.staged = self._tag(e.slot.to(device, non_blocking=True), e.slot_numel)
+                    e.param.ds_secondary_tensor = e.staged
+                    moved.append(e)
+            if moved:
+                self.counters.bump(staged_copies=len(moved), staged_bytes=sum(e.nbytes for e in moved))
+        try:
+            yield
+        finally:
+            with self._lock:
+                for e in moved:
+                    if e.param.ds_secondary_tensor is e.staged:
+                        e.param.ds_secondary_tensor = e.slot
+                    e.staged = None
+
+    def move(self, entries: list[CacheEntry], pool: SlotPool) -> list[CacheEntry]:
+        """Re-place entries into ``pool`` (validity unchanged: placement is a per-rank decision).
+
+        Returns the entries that moved; the others keep their old slot.
+        """
+        with self._lock:
+            old = {id(e): e.slot for e in entries}
+            failed = pool.reserve(entries)
+            moved = [e for e in entries if e not in failed]
+            for e in moved:
+                if e.state is EntryState.FILLED:
+                    e.slot.copy_(old[id(e)])
+                    self._tag(e.slot, e.slot_numel)
+                    e.param.ds_secondary_tensor = e.slot
+        return moved
 
     def on_partition(self, entry: CacheEntry, has_been_updated: bool) -> None:
         """DeepSpeed is partitioning ``entry.param`` (release, or ``partition(has_been_updated=True)``)."""
@@ -199,9 +263,7 @@ class NodeCache:
                 slot.narrow(0, 0, n).copy_(flat.narrow(0, entry.start, n))
         if not get_accelerator().resolves_data_dependency():
             get_accelerator().current_stream().synchronize()
-        slot.ds_numel = entry.slot_numel
-        slot.status = PartitionedParamStatus.AVAILABLE
-        slot.final_location = None
+        self._tag(slot, entry.slot_numel)
         entry.checksum = float(slot.double().sum()) if self.checksums else None
         entry.state = EntryState.FILLED
         param.ds_secondary_tensor = slot

@@ -32,8 +32,8 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
-from fcdp_deepspeed.stats import INTER, INTRA, LEDGER, CacheCounters, CommCounters, format_stats_line
+from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
+from fcdp_deepspeed.stats import INTER, INTRA, LEDGER, CacheCounters, CommCounters, fmt_bytes, format_stats_line
 from fcdp_deepspeed.topology import Topology, TopologyError, build_topology, group_ranks
 
 
@@ -118,7 +118,7 @@ class FCDPRuntime:
         self.cache: Optional[NodeCache] = None
         self.uncached: dict[str, int] = {}  # reason -> params
         self.uncached_bytes = 0
-        self._peak_baseline = 0
+        self._placement_revisited = False
 
     # -- activation ---------------------------------------------------------------------------
     def activate(self) -> "FCDPRuntime":
@@ -147,7 +147,6 @@ class FCDPRuntime:
         self._plan_and_allocate()
         for param in self._ds_params():
             self._wrap_param(param)
-        self._peak_baseline = get_accelerator().max_memory_allocated()
         return self
 
     def _ds_params(self) -> list[torch.nn.Parameter]:
@@ -248,13 +247,39 @@ class FCDPRuntime:
         if dist.get_rank() == 0:
             if over_budget:
                 logger.warning(
-                    f"fcdp: {len(over_budget)} parameters ({self.uncached_bytes / 2**20:.1f} MiB per rank) do not fit the "
-                    f"cache budget (host {host_budget / 2**20:.1f} MiB per rank, device {device_budget / 2**20:.1f} MiB) "
+                    f"fcdp: {len(over_budget)} parameters ({fmt_bytes(self.uncached_bytes)} per rank) do not fit the "
+                    f"cache budget (host {fmt_bytes(host_budget)} per rank, device {fmt_bytes(device_budget)}) "
                     f"and take the plain ZeRO-3 path. Raise fcdp.host_budget"
                     f"{' or fcdp.device_budget' if self.config.cache_device == 'device' else ''} to cache them.")
             if degraded:
                 logger.warning(f"fcdp: cache allocation failed for {len(degraded)} parameters on at least one rank; "
                                f"they take the plain ZeRO-3 path on every rank. Training continues unchanged.")
+
+    def _promote_to_device(self) -> None:
+        """``auto`` mode, first step boundary: move host slices to the accelerator within the headroom
+        the first step left unused (total minus its peak), so the cache never takes memory a step
+        needed. Placement only: which parameters are cached does not change, so no agreement is needed.
+        """
+        acc = get_accelerator()
+        headroom = max(0, acc.total_memory() - acc.max_memory_allocated())
+        budget = min(headroom, self.config.device_budget_spec.resolve(headroom, auto_fraction=0.5))
+        host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]
+        order = {r.key: i for i, r in enumerate(placement_order(
+            [SlotRequest(e.param.ds_id, e.nbytes, frozen=not e.param.requires_grad) for e in host]))}
+        chosen, used = [], 0
+        for e in sorted(host, key=lambda e: order[e.param.ds_id]):
+            if used + e.nbytes <= budget:
+                chosen.append(e)
+                used += e.nbytes
+        if not chosen:
+            return
+        pool = self.cache.pools[Placement.DEVICE] or SlotPool(Placement.DEVICE, pin=False)
+        self.cache.pools[Placement.DEVICE] = pool
+        moved = self.cache.move(chosen, pool)
+        self.cache.pools[Placement.HOST].release_unused(self.cache.entries.values())
+        if dist.get_rank() == 0:
+            logger.info(f"fcdp: moved {len(moved)} cached slices ({fmt_bytes(sum(e.nbytes for e in moved))}) to "
+                        f"the accelerator (headroom after step 1: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")
 
     # -- per-parameter gather wrappers --------------------------------------------------------
     def _wrap_param(self, param: torch.nn.Parameter) -> None:
@@ -265,8 +290,8 @@ class FCDPRuntime:
 
         def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
             params = list(params)
-            checks = runtime._count_and_verify(params)
-            with LEDGER.attribute(runtime.comm):
+            hits, checks = runtime._count_and_verify(params)
+            with LEDGER.attribute(runtime.comm), runtime.cache.staged(hits):
                 handle = original_coalesced(params, safe_mode=safe_mode, quantize=quantize)
             return _VerifyingHandle(handle, checks) if checks else handle
 
@@ -279,8 +304,11 @@ class FCDPRuntime:
         param.all_gather_coalesced = all_gather_coalesced
         param.all_gather = all_gather
 
-    def _count_and_verify(self, params: list[torch.nn.Parameter]) -> list[tuple[CacheEntry, torch.Tensor]]:
-        hits = misses = uncached = 0
+    def _count_and_verify(
+            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[tuple[CacheEntry, torch.Tensor]]]:
+        """Count hits/misses of one gather; return the hit entries and the verification references."""
+        hit_entries: list[CacheEntry] = []
+        misses = uncached = 0
         to_check: list[CacheEntry] = []
         rate = self.config.verify_rate
         for param in sorted(params, key=lambda p: p.ds_id):  # same order on every rank
@@ -288,14 +316,14 @@ class FCDPRuntime:
             if entry is None or entry.state is EntryState.DISABLED:
                 uncached += 1
             elif self.cache.is_hit(entry):
-                hits += 1
+                hit_entries.append(entry)
                 entry.hits += 1
                 if rate > 0 and math.floor(entry.hits * rate) != math.floor((entry.hits - 1) * rate):
                     to_check.append(entry)
             else:
                 misses += 1
-        self.counters.bump(hits=hits, misses=misses, uncached_fetches=uncached)
-        return [(e, self._reference_gather(e)) for e in to_check]
+        self.counters.bump(hits=len(hit_entries), misses=misses, uncached_fetches=uncached)
+        return hit_entries, [(e, self._reference_gather(e)) for e in to_check]
 
     def _reference_gather(self, entry: CacheEntry) -> torch.Tensor:
         """Plain ZeRO-3 gather of the primary partitions (collective over the DP group)."""
@@ -332,6 +360,9 @@ class FCDPRuntime:
 
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
+        if self.config.cache_device == "auto" and not self._placement_revisited:
+            self._placement_revisited = True
+            self._promote_to_device()
         if self.steps_per_print and self.counters.optimizer_steps % self.steps_per_print == 0 and dist.get_rank() == 0:
             logger.info(format_stats_line(self.stats()))
 
@@ -351,13 +382,17 @@ class FCDPRuntime:
             "cache_refreshes": c.refreshes,
             "invalidations": dict(c.invalidations),
             "verified_hits": c.verified_hits,
+            "h2d_async_copies": c.staged_copies,
+            "h2d_async_bytes": c.staged_bytes,
             "optimizer_steps": c.optimizer_steps,
             "host_cache_bytes": cache.held_bytes(Placement.HOST),
             "device_cache_bytes": cache.held_bytes(Placement.DEVICE),
             "host_pool_bytes": host_pool.nbytes if host_pool else 0,
             "device_pool_bytes": device_pool.nbytes if device_pool else 0,
-            "pinned_pool_bytes": host_pool.nbytes if host_pool and host_pool.pin else 0,
+            "pinned_pool_bytes": host_pool.pinned_nbytes if host_pool else 0,
             "pool_allocations": sum(p.allocations for p in cache.pools.values() if p is not None),
+            "host_pool_allocations": host_pool.allocations if host_pool else 0,
+            "device_pool_allocations": device_pool.allocations if device_pool else 0,
             "cached_params": sum(1 for e in cache.entries.values() if e.state is not EntryState.DISABLED),
             "uncached_params": sum(self.uncached.values()) + sum(
                 1 for e in cache.entries.values() if e.state is EntryState.DISABLED),

@@ -226,6 +226,8 @@ class CacheCounters:
     invalidations: Counter = field(default_factory=Counter)
     verified_hits: int = 0
     optimizer_steps: int = 0
+    staged_copies: int = 0
+    staged_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def bump(self, **deltas: int) -> None:
@@ -238,12 +240,20 @@ class CacheCounters:
             self.invalidations[reason] += count
 
 
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TiB"
+
+
 def format_stats_line(stats: dict) -> str:
     """One log line for rank 0 every ``steps_per_print`` steps."""
     lookups = stats["cache_hits"] + stats["cache_misses"]
     hit_rate = stats["cache_hits"] / lookups if lookups else 0.0
-    mib = 2.0**20
-    return (f"[fcdp] step {stats['optimizer_steps']}: allgather inter-node {stats['inter_node_allgather_bytes'] / mib:.1f} MiB "
-            f"intra-node {stats['intra_node_allgather_bytes'] / mib:.1f} MiB, cache hit rate {hit_rate:.1%} "
+    return (f"[fcdp] step {stats['optimizer_steps']}: allgather inter-node {fmt_bytes(stats['inter_node_allgather_bytes'])} "
+            f"intra-node {fmt_bytes(stats['intra_node_allgather_bytes'])}, cache hit rate {hit_rate:.1%} "
             f"({stats['cache_hits']} hits / {stats['cache_misses']} misses), cache host "
-            f"{stats['host_cache_bytes'] / mib:.1f} MiB device {stats['device_cache_bytes'] / mib:.1f} MiB")
+            f"{fmt_bytes(stats['host_cache_bytes'])} device {fmt_bytes(stats['device_cache_bytes'])}")

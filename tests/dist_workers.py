@@ -162,3 +162,41 @@ def hf_run(**kwargs) -> dict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.run(**kwargs)
+
+
+class _Capture:
+    """Collect FCDP's log records (warnings about budgets, degraded parameters)."""
+
+    def __init__(self) -> None:
+        import logging
+        from deepspeed.utils import logger
+        self.messages: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[assignment]
+        handler.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
+
+    def fcdp(self, needle: str = "") -> list[str]:
+        return [m for m in self.messages if m.startswith("fcdp:") and needle in m]
+
+
+def placement_modes(steps: int = 5, host_budget_bytes: int = 0) -> dict:
+    """Plain ZeRO-3 vs each cache_device mode and a host budget smaller than the model."""
+    setup()
+    capture = _Capture()
+    variants = {
+        "plain": None,
+        "host": {"cache_device": "host"},
+        "device": {"cache_device": "device"},
+        "auto": {"cache_device": "auto"},
+        "small_budget": {"cache_device": "host", "host_budget": host_budget_bytes},
+    }
+    out = {}
+    for name, extra in variants.items():
+        before = len(capture.messages)
+        sc = {"steps": steps, "fcdp": extra or {}}
+        res = run_scenario(sc, fcdp=extra is not None)
+        res.extra["log"] = [m for m in capture.messages[before:] if m.startswith("fcdp:")]
+        out[name] = res
+    return out

@@ -1,0 +1,56 @@
+"""Cache placement: host / device / auto, budgets, the pooled (pinned) host buffer."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_ranks
+
+#: Per node; half of it per rank (L = 2). The toy model's slices need 12672 bytes per rank.
+SMALL_BUDGET = 2 * 6000
+
+
+@pytest.fixture(scope="module")
+def modes():
+    return run_ranks("placement_modes", 4, steps=5, host_budget_bytes=SMALL_BUDGET)
+
+
+@pytest.mark.parametrize("mode", ["host", "device", "auto", "small_budget"])
+def test_every_mode_matches_plain_zero3(modes, mode):
+    for r in modes:
+        assert r[mode].losses == r["plain"].losses
+
+
+def test_host_mode_has_zero_device_overhead(modes):
+    for r in modes:
+        for s in r["host"].step_stats:
+            assert s["device_pool_bytes"] == 0 and s["device_cache_bytes"] == 0
+        assert r["host"].stats["host_pool_bytes"] == 12672
+
+
+def test_device_mode_places_slices_on_the_accelerator(modes):
+    s = modes[0]["device"].stats
+    assert s["device_pool_bytes"] == 12672 and s["host_pool_bytes"] == 0
+
+
+def test_auto_mode_promotes_after_the_first_step(modes):
+    r = modes[0]["auto"]
+    assert r.step_stats[0]["device_pool_bytes"] == 12672 and r.stats["host_pool_bytes"] == 0
+    assert any("moved 12 cached slices" in m for m in r.extra["log"])
+
+
+def test_pool_is_allocated_once(modes):
+    for mode in ("host", "device", "small_budget", "auto"):
+        counts = [(s["host_pool_allocations"], s["device_pool_allocations"]) for s in modes[0][mode].step_stats]
+        assert len(set(counts)) == 1, (mode, counts)  # nothing allocated per step (auto: both at step 1)
+
+
+def test_small_host_budget_caches_only_what_fits(modes):
+    for r in modes:
+        small, full = r["small_budget"], r["host"]
+        assert 0 < small.stats["host_pool_bytes"] <= SMALL_BUDGET // 2
+        assert small.stats["uncached_params"] >= 1 and small.stats["uncached_bytes"] > 0
+        assert small.stats["uncached_fetches"] > 0  # the rest takes the plain ZeRO-3 path ...
+        assert small.stats["inter_node_allgather_bytes"] > full.stats["inter_node_allgather_bytes"]  # ... across nodes
+    warnings = modes[0]["small_budget"].extra["log"]
+    assert len(warnings) == 1 and "fcdp.host_budget" in warnings[0] and "do not fit" in warnings[0]
+    assert all(not r["small_budget"].extra["log"] for r in modes[1:])  # one warning, from rank 0
