@@ -5,26 +5,36 @@ import functools
 from typing import Any, Optional
 
 import deepspeed
+import deepspeed.runtime.engine as _engine_module
 import deepspeed.runtime.zero.stage3 as _stage3_module
 
-from fcdp_deepspeed.stage3 import FCDPStage3
+from fcdp_deepspeed.monitor import RecordingMonitorMaster
+from fcdp_deepspeed.stage3 import FCDPStage3, FCDPZeROOffload
 from fcdp_deepspeed.stats import INTER, INTRA, LEDGER
 from fcdp_deepspeed.topology import discover_node_map
 
 _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
+_ORIGINAL_OFFLOAD = _engine_module.DeepSpeedZeRoOffload
+_ORIGINAL_MONITOR = _engine_module.MonitorMaster
 
 
 def install() -> None:
-    """Make ``deepspeed.initialize`` build FCDP's stage-3 optimizer. Idempotent.
+    """Make ``deepspeed.initialize`` build FCDP's stage-3 classes. Idempotent.
 
     Safe to call for any job: engines whose config has no enabled ``fcdp`` block run plain ZeRO-3.
+    The engine looks both classes up in these modules when it builds a ZeRO-3 engine: the
+    optimizer class (training) and the offload class (engines without an optimizer).
     """
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = FCDPStage3
+    _engine_module.DeepSpeedZeRoOffload = FCDPZeROOffload
+    _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
 
 
 def uninstall() -> None:
     """Undo :func:`install` for engines created afterwards."""
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = _ORIGINAL_STAGE3
+    _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
+    _engine_module.MonitorMaster = _ORIGINAL_MONITOR
 
 
 def is_installed() -> bool:

@@ -32,6 +32,7 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError
+from fcdp_deepspeed.monitor import latest_monitor, monitor_events
 from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
 from fcdp_deepspeed.stats import INTER, INTRA, LEDGER, CacheCounters, CommCounters, fmt_bytes, format_stats_line
 from fcdp_deepspeed.topology import Topology, TopologyError, build_topology, group_ranks
@@ -119,6 +120,8 @@ class FCDPRuntime:
         self.uncached: dict[str, int] = {}  # reason -> params
         self.uncached_bytes = 0
         self._placement_revisited = False
+        monitor = latest_monitor()  # the engine being built created it just before this optimizer
+        self.monitor = monitor if monitor is not None and monitor.enabled else None
 
     # -- activation ---------------------------------------------------------------------------
     def activate(self) -> "FCDPRuntime":
@@ -363,8 +366,13 @@ class FCDPRuntime:
         if self.config.cache_device == "auto" and not self._placement_revisited:
             self._placement_revisited = True
             self._promote_to_device()
-        if self.steps_per_print and self.counters.optimizer_steps % self.steps_per_print == 0 and dist.get_rank() == 0:
-            logger.info(format_stats_line(self.stats()))
+        step = self.counters.optimizer_steps
+        if self.steps_per_print and step % self.steps_per_print == 0:
+            stats = self.stats()
+            if self.monitor is not None:
+                self.monitor.write_events(monitor_events(stats, step))
+            if dist.get_rank() == 0:
+                logger.info(format_stats_line(stats))
 
     # -- reporting ----------------------------------------------------------------------------
     def stats(self) -> dict:

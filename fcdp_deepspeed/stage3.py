@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed.config import check_ds_config_compatible, load_ds_config, parse_fcdp_config
@@ -79,3 +80,32 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")
         super().checkpoint_event_epilogue()
+
+
+class FCDPZeROOffload(DeepSpeedZeRoOffload):
+    """The optimizer-less stage-3 engine (inference, reference models) with the node cache.
+
+    Nothing trains these parameters, so after the first forward every fetch is served from the
+    node cache. Checkpoint loads and ``GatheredParameters`` edits still invalidate/refresh.
+    """
+
+    def __init__(self, module, *args, **kwargs) -> None:
+        ds_config = load_ds_config(kwargs.get("ds_config"))
+        fcdp_config = parse_fcdp_config(ds_config)
+        if fcdp_config.enabled:
+            check_ds_config_compatible(ds_config)
+        self.fcdp: FCDPRuntime | None = None
+        super().__init__(module, *args, **kwargs)
+        self.fcdp_baseline = LEDGER.totals.copy()
+        if fcdp_config.enabled:
+            first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
+            group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
+            self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, []).activate()
+
+    # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
+    def checkpoint_event_prologue(self) -> None:
+        pass
+
+    def checkpoint_event_epilogue(self) -> None:
+        if self.fcdp is not None:
+            self.fcdp.flush("checkpoint")

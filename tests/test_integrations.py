@@ -1,0 +1,116 @@
+"""Entry paths: the zero-code-change module under torchrun and the deepspeed launcher, engines
+without an optimizer next to a trained one (two zero.Init contexts), DeepSpeed's monitor, and a
+Megatron-style layout where ZeRO's DP group is a strict subgroup of the world."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ranks
+from fcdp_deepspeed.launch import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "examples" / "train_toy.py")
+KNOWN_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _config(tmp: Path, fcdp_block) -> str:
+    cfg = json.loads("\n".join(line.split("//")[0] for line in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
+    if fcdp_block is None:
+        cfg.pop("fcdp")
+    else:
+        cfg["fcdp"] = fcdp_block
+    path = tmp / f"cfg{len(list(tmp.iterdir()))}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _launch(cmd: list[str], out: Path) -> list[dict]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    log = proc.stdout + proc.stderr
+    # gloo ranks sometimes abort in interpreter teardown after a complete, successful run; the
+    # results file is written only after every rank finished training, so that case is accepted.
+    assert proc.returncode == 0 or (KNOWN_EXIT_ABORT in log and out.exists()), log[-4000:]
+    return json.loads(out.read_text())
+
+
+def _torchrun(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", str(free_port()),
+            *args]
+
+
+@pytest.fixture
+def tmp(tmp_path):
+    return tmp_path
+
+
+def test_run_module_under_torchrun_matches_plain(tmp):
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    fcdp = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "a.json")]),
+                   tmp / "a.json")
+    plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "b.json")]), tmp / "b.json")
+    for f, p in zip(fcdp, plain):
+        assert f["optimizer"] == "FCDPStage3" and p["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+        assert f["losses"] == p["losses"] and f["cache_hits"] > 0 and f["num_nodes"] == 2
+
+
+def test_run_module_under_deepspeed_launcher(tmp):
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    out = tmp / "c.json"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
+           "--module", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(out)]
+    res = _launch(cmd, out)
+    assert all(r["optimizer"] == "FCDPStage3" and r["cache_hits"] > 0 for r in res)
+
+
+def test_run_module_without_block_is_plain_zero3(tmp):
+    cfg = _config(tmp, None)
+    res = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "d.json")]),
+                  tmp / "d.json")
+    plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "e.json")]), tmp / "e.json")
+    for r, p in zip(res, plain):
+        assert r["cache_hits"] == 0 and r["losses"] == p["losses"]
+
+
+def test_run_module_usage_errors():
+    proc = subprocess.run([sys.executable, "-m", "fcdp_deepspeed.run", "no_such_script.py"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "no such script" in proc.stderr
+
+
+def test_policy_and_reference_models_in_one_process():
+    plain = run_ranks("policy_and_reference", 4, fcdp=False)
+    fcdp = run_ranks("policy_and_reference", 4, fcdp=True)
+    for p, f in zip(plain, fcdp):
+        assert f["classes"] == ["FCDPStage3", "FCDPZeROOffload"]
+        assert f["losses"] == p["losses"]
+        assert all(a.equal(b) for a, b in zip(f["ref_outputs"], p["ref_outputs"]))
+        # the frozen reference crosses nodes once, then is served from the node cache
+        assert f["ref_inter"][0] > 0 and f["ref_inter"][1:] == [0, 0] and all(b > 0 for b in p["ref_inter"])
+
+
+def test_counters_written_to_deepspeed_monitor():
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_ranks("monitor_csv", 4, out_dir=out_dir)
+        csv = Path(out_dir) / "fcdp" / "FCDP_inter_node_allgather_bytes.csv"
+        rows = csv.read_text().strip().splitlines()
+        assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
+        assert (Path(out_dir) / "fcdp" / "FCDP_cache_hit_rate.csv").exists()
+
+
+@pytest.mark.slow
+def test_megatron_layout_tp2_on_2_nodes_x_4():
+    res = run_ranks("megatron_layout", 8, timeout=600)
+    expected_node_groups = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3], 4: [4, 6], 5: [5, 7], 6: [4, 6], 7: [5, 7]}
+    for rank, r in enumerate(res):
+        assert r["fcdp"]["stats"]["node_ranks"] == expected_node_groups[rank]  # node ∩ DP, never TP peers
+        assert r["fcdp"]["losses"] == r["plain"]["losses"]
+        assert r["fcdp"]["stats"]["cache_hits"] > 0
+    # The layout is a real trap: hpZ's contiguous blocks pair TP peers and training diverges.
+    assert any(r["hpz"].get("losses") != r["plain"]["losses"] for r in res)
