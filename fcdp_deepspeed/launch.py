@@ -47,16 +47,19 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 
 def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, Any]] = None, timeout: float = 300,
               env: Optional[Mapping[str, str]] = None, pythonpath: Sequence[str] = (),
-              rank_env: Optional[Mapping[int, Mapping[str, str]]] = None) -> list[Any]:
+              rank_env: Optional[Mapping[int, Mapping[str, str]]] = None, cluster: Any = None) -> list[Any]:
     """Call ``module:function(**kwargs)`` on ``world_size`` ranks; return each rank's return value.
 
     Rank r gets RANK/LOCAL_RANK=r, WORLD_SIZE, MASTER_ADDR/PORT on loopback, DS_ACCELERATOR=cpu
-    (unless set) and OMP_NUM_THREADS=1, plus ``env`` and ``rank_env[r]``.
+    (unless set) and OMP_NUM_THREADS=1, plus ``env`` and ``rank_env[r]``. With an
+    :class:`~fcdp_deepspeed.cluster.EmulatedCluster`, rank r runs inside node r // (world/nodes),
+    rendezvous at node 0's address and gloo binds to the node's uplink address.
     """
     workdir = Path(tempfile.mkdtemp(prefix="fcdp-run-"))
     with open(workdir / "kwargs.pkl", "wb") as f:
         pickle.dump(dict(kwargs or {}), f)
     port = str(free_port())
+    per_node = world_size // cluster.nodes if cluster is not None else world_size
     path = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
     procs = []
     try:
@@ -64,13 +67,20 @@ def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, An
             e = dict(os.environ)
             e.setdefault("DS_ACCELERATOR", "cpu")
             e.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's c10d deprecation spam
-            e.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-                      "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
+            e.update({"RANK": str(r), "LOCAL_RANK": str(r % per_node), "WORLD_SIZE": str(world_size),
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
+                      "PYTHONUNBUFFERED": "1"})
+            if cluster is not None:
+                e.update({"MASTER_ADDR": cluster.address(0), "GLOO_SOCKET_IFNAME": "eth0", "GROUP_RANK": str(r // per_node),
+                          "LOCAL_WORLD_SIZE": str(per_node)})
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
             log = open(workdir / f"rank{r}.log", "wb")
-            procs.append(subprocess.Popen([sys.executable, "-m", "fcdp_deepspeed._worker", target, str(workdir)],
-                                          env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            argv = [sys.executable, "-m", "fcdp_deepspeed._worker", target, str(workdir)]
+            if cluster is not None:
+                procs.append(cluster.popen(r // per_node, argv, env=e, stdout=log, stderr=subprocess.STDOUT))
+            else:
+                procs.append(subprocess.Popen(argv, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):

@@ -78,18 +78,61 @@ def received_bytes(method: str, args: dict, world: int, rank_in_group: int) -> i
     return 0
 
 
+def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node_of_rank: Sequence[str]) -> int:
+    """Bytes this rank puts on inter-node links in one collective, under gloo's algorithms.
+
+    Measured on the emulated cluster (kernel counters, 2 nodes x 2): all-gather and all-reduce
+    are rings in group-rank order (a rank sends to its successor; only successors on another node
+    cross the uplink), gloo's reduce-scatter costs a ring all-reduce of the whole input, broadcast
+    is a binomial tree rooted at the source. Used to check our counts against the
+    kernel's; NCCL's algorithms differ.
+    """
+    world = len(ranks)
+    if world <= 1 or me < 0:
+        return 0
+    me_node = node_of_rank[ranks[me]]
+    crosses = node_of_rank[ranks[(me + 1) % world]] != me_node
+    others = sum(1 for r in ranks if node_of_rank[r] != me_node)
+    if method in ("all_gather_into_tensor", "all_gather", "all_gather_coalesced"):
+        chunk = _nbytes(args.get("input_tensor", args.get("tensor", args.get("input_tensors"))))
+        return chunk * (world - 1) if crosses else 0
+    if method in ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
+                  "reduce_scatter"):
+        n = _nbytes(args.get("tensor", args.get("tensors", args.get("input_tensor", args.get("input_list")))))
+        return 2 * (world - 1) * n // world if crosses else 0
+    if method == "broadcast":
+        # binomial tree over ranks relative to the root: in round k, relative ranks i < 2^k send to i + 2^k
+        root = args.get("src_in_group", -1)
+        if root < 0:
+            return 0
+        rel, n, sent, step = (me - root) % world, _nbytes(args.get("tensor")), 0, 1
+        while step < world:
+            if rel < step and rel + step < world:
+                dest = ranks[(rel + step + root) % world]
+                sent += n if node_of_rank[dest] != me_node else 0
+            step *= 2
+        return sent
+    if method == "all_to_all_single":
+        return _nbytes(args.get("input")) * others // world
+    return 0
+
+
 @dataclass
 class CommCounters:
     """Bytes and calls per (op family, link class). Thread-safe: backward runs on autograd threads."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    wire: Counter = field(default_factory=Counter)
+    """Estimated bytes this rank sent over inter-node links, by op family (see wire_bytes_sent)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, family: str, link: str, nbytes: int) -> None:
+    def add(self, family: str, link: str, nbytes: int, wire: int = 0) -> None:
         with self._lock:
             self.bytes[(family, link)] += nbytes
             self.calls[(family, link)] += 1
+            if wire:
+                self.wire[family] += wire
 
     def get(self, family: str, link: str) -> tuple[int, int]:
         with self._lock:
@@ -97,14 +140,15 @@ class CommCounters:
 
     def copy(self) -> "CommCounters":
         with self._lock:
-            return CommCounters(bytes=Counter(self.bytes), calls=Counter(self.calls))
+            return CommCounters(bytes=Counter(self.bytes), calls=Counter(self.calls), wire=Counter(self.wire))
 
     def minus(self, other: Optional["CommCounters"]) -> "CommCounters":
         """Counts since ``other`` was copied from this ledger."""
         if other is None:
             return self.copy()
         with self._lock:
-            return CommCounters(bytes=self.bytes - other.bytes, calls=self.calls - other.calls)
+            return CommCounters(bytes=self.bytes - other.bytes, calls=self.calls - other.calls,
+                                wire=self.wire - other.wire)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -112,6 +156,9 @@ class CommCounters:
             for (family, link), nbytes in self.bytes.items():
                 out[f"{link}_{family}_bytes"] = nbytes
                 out[f"{link}_{family}_calls"] = self.calls[(family, link)]
+            for family, nbytes in self.wire.items():
+                out[f"wire_sent_inter_node_{family}_bytes"] = nbytes
+            out["wire_sent_inter_node_bytes"] = sum(self.wire.values())
             return out
 
 
@@ -188,13 +235,18 @@ class CommLedger:
 
     def _record(self, method: str, args: dict) -> None:
         ranks, me = self._group_info(args.get("group"))
-        nbytes = received_bytes(method, args, len(ranks), me)
         if len(ranks) <= 1:
             return
+        nbytes = received_bytes(method, args, len(ranks), me)
         family, link = OP_FAMILY[method], self.link_of(ranks)
-        self.totals.add(family, link, nbytes)
+        wire = 0
+        if link == INTER and self._node_of_rank is not None:
+            if method == "broadcast":  # deepspeed.comm takes a global src rank
+                args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
+            wire = wire_bytes_sent(method, args, ranks, me, self._node_of_rank)
+        self.totals.add(family, link, nbytes, wire)
         for sink in getattr(self._local, "sinks", ()):
-            sink.add(family, link, nbytes)
+            sink.add(family, link, nbytes, wire)
 
     @contextmanager
     def attribute(self, sink: CommCounters) -> Iterator[None]:
