@@ -11,6 +11,7 @@ and without it (plain ZeRO-3): ``torchrun --nproc_per_node 4 examples/train_toy.
 """
 import argparse
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -22,25 +23,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", default=None, help="rank 0 writes losses and engine facts here (JSON)")
     ap.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     args = ap.parse_args()
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(4)])
+    h = args.hidden
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh()) for _ in range(4)])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=args.deepspeed_config)
     losses = []
     rank = deepspeed.comm.get_rank()
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * rank + step)
-        x = torch.randn(4, 64, generator=g)
+        x = torch.randn(4, h, generator=g)
         loss = F.mse_loss(engine(x), torch.sin(x))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    facts = {"rank": rank, "losses": losses, "optimizer": type(engine.optimizer).__name__}
+    facts = {"rank": rank, "losses": losses, "optimizer": type(engine.optimizer).__name__,
+             "model_bytes": sum(p.ds_numel * 4 for p in engine.module.parameters()),
+             "launcher_env": {k: os.environ.get(k) for k in ("CROSS_RANK", "LOCAL_SIZE", "GROUP_RANK")}}
     try:
         import fcdp_deepspeed  # only to report; the script itself never needs it
         stats = fcdp_deepspeed.get_stats(engine)
