@@ -78,6 +78,13 @@ def received_bytes(method: str, args: dict, world: int, rank_in_group: int) -> i
     return 0
 
 
+#: gloo protocol bytes per message that crosses a node boundary (buffer-ready notifications and
+#: per-send preambles), calibrated with 64-byte collectives on the emulated cluster (torch 2.13's
+#: gloo): ring steps cost ~290 B (both directions of the link), tree (broadcast) sends ~147 B.
+GLOO_RING_MESSAGE_BYTES = 290
+GLOO_TREE_MESSAGE_BYTES = 147
+
+
 def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node_of_rank: Sequence[str]) -> int:
     """Bytes this rank puts on inter-node links in one collective, under gloo's algorithms.
 
@@ -95,11 +102,11 @@ def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node
     others = sum(1 for r in ranks if node_of_rank[r] != me_node)
     if method in ("all_gather_into_tensor", "all_gather", "all_gather_coalesced"):
         chunk = _nbytes(args.get("input_tensor", args.get("tensor", args.get("input_tensors"))))
-        return chunk * (world - 1) if crosses else 0
+        return (chunk + GLOO_RING_MESSAGE_BYTES) * (world - 1) if crosses else 0
     if method in ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
                   "reduce_scatter"):
         n = _nbytes(args.get("tensor", args.get("tensors", args.get("input_tensor", args.get("input_list")))))
-        return 2 * (world - 1) * n // world if crosses else 0
+        return 2 * (world - 1) * (n // world + GLOO_RING_MESSAGE_BYTES) if crosses else 0
     if method == "broadcast":
         # binomial tree over ranks relative to the root: in round k, relative ranks i < 2^k send to i + 2^k
         root = args.get("src_in_group", -1)
@@ -109,7 +116,7 @@ def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node
         while step < world:
             if rel < step and rel + step < world:
                 dest = ranks[(rel + step + root) % world]
-                sent += n if node_of_rank[dest] != me_node else 0
+                sent += n + GLOO_TREE_MESSAGE_BYTES if node_of_rank[dest] != me_node else 0
             step *= 2
         return sent
     if method == "all_to_all_single":

@@ -54,6 +54,26 @@ class ToyModel(torch.nn.Module):
         return self.out(h)
 
 
+def no_backward_numel(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Parameters whose module needs no backward: frozen, and no input carries a gradient
+    (e.g. layers before the first adapter in LoRA). ZeRO-3 does not re-gather them in backward."""
+    skipped: dict[int, int] = {}
+
+    def hook(module, inputs, output):
+        params = list(module.parameters(recurse=False))
+        if params and not any(p.requires_grad for p in params) and not any(
+                isinstance(i, torch.Tensor) and i.requires_grad for i in inputs):
+            skipped[id(module)] = sum(p.numel() for p in params)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if list(m.parameters(recurse=False))]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(skipped.values())
+
+
 def ds_config(fcdp: Optional[dict] = None, *, regime: str = "large", grad_accum: int = 1, micro_batch: int = 4,
               lr: float = 1e-2, dtype: str = "fp32", hpz: int = 0, loss_scale_power: int = 8,
               **zero_extra: Any) -> dict:
