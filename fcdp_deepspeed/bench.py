@@ -5,8 +5,10 @@
 
 Every bandwidth is a fresh :class:`~fcdp_deepspeed.cluster.EmulatedCluster` (2 nodes x 2 ranks by
 default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
-(full fine-tune, LoRA) the three engines train the same model on the same data in one process
-group, one after the other. Per run: median step time, samples/s, inter-node bytes per step from
+(full fine-tune, LoRA) the three engines train the same model on the same data, each in fresh
+processes (an engine measured after another one in the same process ran 2-3% slower, whichever it
+was, and peak memory would mix engines), ``--repeats`` times in interleaved order; the step time
+is the median over every timed step of every repeat (single runs vary by up to +-8% on 2 cores). Per run: median step time, samples/s, inter-node bytes per step from
 the kernel's interface counters and from our own collective counters (they must agree within 5%),
 cache and peak memory, losses (identical across engines). Results: JSON, CSV and a PNG plot.
 
@@ -45,7 +47,8 @@ class BenchSpec:
     micro_batch: int = 8
     grad_accum: int = 1
     warmup: int = 2
-    steps: int = 4
+    steps: int = 5
+    repeats: int = 3
     regime: str = "large"
     timeout_s: float = 900
 
@@ -60,7 +63,7 @@ def _uplink_counters() -> dict:
 
 
 def rank_main(spec: dict, job: str) -> list[dict]:
-    """One job, every engine, on this rank. Returns per-engine records (complete on rank 0)."""
+    """One job, the engines of ``spec``, on this rank. Returns per-engine records (complete on rank 0)."""
     import torch
 
     import deepspeed
@@ -108,11 +111,12 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         }
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        step_time = statistics.median(max(r["step_times"][i] for r in everyone) for i in range(s.steps))
+        step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
+        step_time = statistics.median(step_times)
         samples = s.micro_batch * s.grad_accum * dist.get_world_size()
         records.append({
-            "job": job, "engine": engine_name, "regime": s.regime,
-            "step_time_s": step_time, "samples_per_s": samples / step_time,
+            "job": job, "engine": engine_name, "regime": s.regime, "all_step_times": step_times,
+            "samples_per_step": samples, "step_time_s": step_time, "samples_per_s": samples / step_time,
             "kernel_inter_node_bytes_per_step": sum(r["payload"] for r in everyone) / s.steps,
             "counted_inter_node_bytes_per_step": sum(r["wire"] for r in everyone) / s.steps,
             "allgather_inter_node_bytes_per_step_rank0": (stats1["inter_node_allgather_bytes"] -
@@ -131,6 +135,23 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
         gc.collect()
     return records
+
+
+def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
+    """One row from the repeats of one (rate, job, engine): median step time over all timed steps."""
+    row = dict(repeats[0])
+    times = [t for r in repeats for t in r["all_step_times"]]
+    row["rate_mbit"] = rate
+    row["repeats"] = len(repeats)
+    row["step_time_s"] = statistics.median(times)
+    row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
+    row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
+    for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
+                "allgather_inter_node_bytes_per_step_rank0"):
+        row[key] = statistics.fmean(r[key] for r in repeats)
+    row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
+    row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
+    return row
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -154,22 +175,24 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    tasks = [(rate, job) for rate in spec.rates_mbit for job in spec.jobs]
+    tasks = [(rate, job, rep, engine) for rate in spec.rates_mbit for job in spec.jobs
+             for rep in range(spec.repeats) for engine in spec.engines]
     bar = _progress(progress, len(tasks))
     started = time.time()
+    runs: dict[tuple, list[dict]] = {}
     try:
-        for rate, job in tasks:
-            label = f"{'unlimited' if not rate else f'{rate:g} Mbit/s'}, {job}: {', '.join(spec.engines)}"
-            bar.update(label)
+        for rate, job, rep, engine in tasks:
+            bar.update(f"{_rate_label(rate)}, {job}, {engine} (repeat {rep + 1}/{spec.repeats})")
+            one = asdict(spec) | {"engines": [engine]}
             with EmulatedCluster(spec.nodes, rate_mbit=rate or None, tag="b") as cluster:
-                records = run_local("fcdp_deepspeed.bench:rank_main", spec.nodes * spec.ranks_per_node,
-                                    {"spec": asdict(spec), "job": job}, timeout=spec.timeout_s, cluster=cluster)[0]
-            for r in records:
-                r["rate_mbit"] = rate
-            rows.extend(records)
+                record = run_local("fcdp_deepspeed.bench:rank_main", spec.nodes * spec.ranks_per_node,
+                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
+            runs.setdefault((rate, job, engine), []).append(record)
             bar.advance()
     finally:
         bar.close()
+    for (rate, job, engine), repeats in runs.items():
+        rows.append(_combine(repeats, rate, spec))
     add_ratios(rows)
     meta = {"spec": asdict(spec), "seconds": time.time() - started, "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -289,7 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per engine, interleaved")
     ap.add_argument("--regime", choices=["large", "default"], default="large")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
@@ -298,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
                      engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
                      micro_batch=args.micro_batch, grad_accum=args.grad_accum, warmup=args.warmup, steps=args.steps,
+                     repeats=args.repeats,
                      regime=args.regime)
     from fcdp_deepspeed.cluster import ClusterUnavailable
     try:

@@ -166,8 +166,9 @@ class NodeCache:
         return self.entries.get(getattr(param, "ds_id", -1))
 
     def is_hit(self, entry: CacheEntry) -> bool:
-        self._reconcile(entry)
-        return entry.state is EntryState.FILLED
+        with self._lock:
+            self._reconcile(entry)
+            return entry.state is EntryState.FILLED
 
     def held_bytes(self, placement: Placement) -> int:
         return sum(e.nbytes for e in self.entries.values()

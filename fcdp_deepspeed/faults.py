@@ -1,8 +1,9 @@
 """Fault injection for tests of the degrade-to-ZeRO-3 paths.
 
 ``FCDP_INJECT_FAULT="alloc_host@1,alloc_device"`` makes the named sites raise
-:class:`InjectedFault` (on global rank 1 only, or on every rank without ``@rank``). Sites:
-``alloc_host``, ``alloc_device`` (pool chunk allocation). Unset in production: a dict lookup.
+:class:`InjectedFault` (on global rank 1 only, or on every rank without ``@rank``);
+``alloc_host@1:2`` fails only the 2nd call of that site on rank 1. Sites: ``alloc_host``,
+``alloc_device`` (pool chunk allocation). Unset in production: one environment lookup.
 """
 from __future__ import annotations
 
@@ -15,10 +16,14 @@ class InjectedFault(RuntimeError):
     """Raised at an injected fault site."""
 
 
-def _active(site: str, rank: int) -> bool:
+_calls: dict[str, int] = {}
+
+
+def _active(site: str, rank: int, call: int) -> bool:
     for item in os.environ.get(FAULT_ENV, "").split(","):
-        name, _, only_rank = item.strip().partition("@")
-        if name == site and (not only_rank or int(only_rank) == rank):
+        name, _, where = item.strip().partition("@")
+        only_rank, _, only_call = where.partition(":")
+        if name == site and (not only_rank or int(only_rank) == rank) and (not only_call or int(only_call) == call):
             return True
     return False
 
@@ -26,6 +31,7 @@ def _active(site: str, rank: int) -> bool:
 def maybe_fail(site: str) -> None:
     if not os.environ.get(FAULT_ENV):
         return
+    _calls[site] = call = _calls.get(site, 0) + 1
     rank = int(os.environ.get("RANK", "0"))
-    if _active(site, rank):
-        raise InjectedFault(f"injected fault at {site} on rank {rank} ({FAULT_ENV})")
+    if _active(site, rank, call):
+        raise InjectedFault(f"injected fault at {site} (call {call}) on rank {rank} ({FAULT_ENV})")

@@ -5,16 +5,19 @@ deadline so a hang fails instead of stalling, and every rank's log kept for the 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 
 def free_port() -> int:
@@ -45,6 +48,24 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
         p.wait()
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit while running ranks, so ``finally`` blocks kill the ranks and
+    remove temporary files (the default action would just end the process and leave them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, Any]] = None, timeout: float = 300,
               env: Optional[Mapping[str, str]] = None, pythonpath: Sequence[str] = (),
               rank_env: Optional[Mapping[int, Mapping[str, str]]] = None, cluster: Any = None) -> list[Any]:
@@ -55,6 +76,11 @@ def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, An
     :class:`~fcdp_deepspeed.cluster.EmulatedCluster`, rank r runs inside node r // (world/nodes),
     rendezvous at node 0's address and gloo binds to the node's uplink address.
     """
+    with sigterm_raises():
+        return _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, cluster)
+
+
+def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, cluster) -> list[Any]:
     workdir = Path(tempfile.mkdtemp(prefix="fcdp-run-"))
     with open(workdir / "kwargs.pkl", "wb") as f:
         pickle.dump(dict(kwargs or {}), f)
@@ -104,6 +130,4 @@ def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, An
         return results
     finally:
         _kill(procs)
-        for f in workdir.iterdir():
-            f.unlink()
-        workdir.rmdir()
+        shutil.rmtree(workdir, ignore_errors=True)

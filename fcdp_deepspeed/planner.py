@@ -154,11 +154,13 @@ def format_plan(result: dict) -> str:
     lines = [f"{s['params'] / 1e9:.2f}B params ({s['dtype_bytes']} B each), {s['nodes']} nodes x {s['ranks_per_node']} "
              f"ranks, trainable {s['trainable_fraction']:.2%}, GA {s['grad_accum']}, inter-node {s['inter_gbps']:g} "
              f"Gbit/s per node, {s['backend']} collectives, {s['regime']} release regime", "",
-             f"{'engine':<7} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'step >= (s)':>12} {'host cache/node':>16} "
-             f"{'extra device/rank':>18}"]
+             f"{'engine':<7} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'all-gather vs ZeRO-3':>21} {'step >= (s)':>12} "
+             f"{'host cache/node':>16} {'extra device/rank':>18}"]
     base = result["engines"]["zero3"]["inter_node_bytes_per_step"] or 1.0
+    base_ag = result["engines"]["zero3"]["inter_node_allgather_bytes_per_step"] or 1.0
     for name, e in result["engines"].items():
         lines.append(f"{name:<7} {_gb(e['inter_node_bytes_per_step']):>16} {e['inter_node_bytes_per_step'] / base:>10.4f} "
+                     f"{e['inter_node_allgather_bytes_per_step'] / base_ag:>21.4f} "
                      f"{e['step_time_lower_bound_s']:>12.3f} {_gb(e['cache_host_bytes_per_node']):>16} "
                      f"{_gb(e['cache_device_bytes_per_rank']):>18}{'' if e['device_fits'] else '  (exceeds headroom)'}")
     if result["cached_fraction"] < 1.0:

@@ -16,6 +16,24 @@ reuses that tested gather path and owns everything around it:
 The ``zero.Init`` instances are configured *after* the model and optimizer are built (retrofit), so
 models built under ``zero.Init(config_dict_or_path=...)``, under a bare ``zero.Init()``, or handed
 unpartitioned to ``deepspeed.initialize`` are all cached the same way.
+
+[Note: threads]
+Backward fetches and releases can run on autograd worker threads (one per device), while the
+main thread runs forward, the optimizer step and checkpoint events. What is shared and why it is
+safe:
+
+- entry states and ``param.ds_secondary_tensor``: changed only inside ``NodeCache`` under its
+  re-entrant lock (fills on release, invalidations, staging around one gather);
+- the DeepSpeed coordinator already serialises fetches of one module (its leaf-module lock) and a
+  parameter is INFLIGHT between issue and wait, so it is never filled while being gathered: fills
+  happen only in ``partition()`` of an AVAILABLE parameter;
+- counters (``CacheCounters``, ``CommCounters``): every update holds the object's lock;
+- collective attribution (``LEDGER.attribute``): a thread-local stack, so a backward thread's
+  collectives are never attributed to another engine;
+- invalidation at step boundaries and checkpoint events runs on the main thread when no fetch is in
+  flight (DeepSpeed partitions every parameter first), so it cannot race a gather.
+Hit/miss decisions read the entry state once per gather, under the lock, before the collective
+is issued; all ranks make them at the same logical point, so they agree.
 """
 from __future__ import annotations
 
@@ -309,7 +327,10 @@ class FCDPRuntime:
 
     def _count_and_verify(
             self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[tuple[CacheEntry, torch.Tensor]]]:
-        """Count hits/misses of one gather; return the hit entries and the verification references."""
+        """Count hits/misses of one gather; return the hit entries and the verification references.
+
+        Verification samples by each entry's own hit count, which is identical on every rank, so the
+        extra plain gathers are collective on all of them (see [Note: threads] for ordering)."""
         hit_entries: list[CacheEntry] = []
         misses = uncached = 0
         to_check: list[CacheEntry] = []

@@ -318,3 +318,139 @@ def megatron_layout(steps: int = 3, tp: int = 2, ranks_per_node: int = 4) -> dic
                 raise
     out["dp_ranks"] = mpu._dp_ranks
     return out
+
+
+class EdgeModel(torch.nn.Module):
+    """Parameters FCDP must survive: tiny (< L elements), sizes not divisible by L, zero-size, tied
+    weights used by two modules, a module reused twice, and an external parameter."""
+
+    def __init__(self, hidden: int = 30) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(hidden, hidden)  # 30x30 + 30: not divisible by 4
+        self.tiny = torch.nn.Linear(hidden, 1)  # bias of 1 element (< L)
+        self.back = torch.nn.Linear(1, hidden, bias=False)
+        self.shared = torch.nn.Linear(hidden, hidden)  # called twice per forward
+        self.head = torch.nn.Linear(hidden, hidden, bias=False)
+        self.head.weight = self.emb.weight  # tied with emb
+        self.empty = torch.nn.Parameter(torch.empty(0))  # zero-size
+        self.ext = torch.nn.Linear(hidden, hidden)
+        self.scale = torch.nn.Parameter(torch.ones(hidden))  # used by the parent, owned here: external
+        deepspeed.zero.register_external_parameter(self, self.scale) if hasattr(self.scale, "ds_id") else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.emb(x))
+        h = h + self.back(torch.tanh(self.tiny(h)))
+        h = torch.tanh(self.shared(h))
+        h = torch.tanh(self.shared(h)) * self.scale
+        return self.head(h + self.ext(h)) + self.empty.sum()
+
+
+def edge_parameters(steps: int = 4, persistence_threshold: int = 0, dtype: str = "fp32") -> dict:
+    setup()
+    out = {}
+    import fcdp_deepspeed as fd
+    fd.install()
+    for mode in ("plain", "fcdp"):
+        cfg = toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large", dtype=dtype,
+                            stage3_param_persistence_threshold=persistence_threshold)
+        torch.manual_seed(0)
+        model = EdgeModel()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.scale)
+        res = toy.train(engine, steps, hidden=30, dtype=DTYPES[dtype])
+        res.weights = toy.gather_weights(engine)
+        if dist.get_rank() != 0:
+            res.weights = {}
+        out[mode] = res
+    return out
+
+
+def degraded_allocation(steps: int = 4, chunk_bytes: int = 4096) -> dict:
+    """Pool chunks fail to allocate on one rank (FCDP_INJECT_FAULT): the parameters in them must
+    take the plain ZeRO-3 path on every rank, with a warning, and training must stay identical."""
+    from fcdp_deepspeed import cache
+    cache.CHUNK_BYTES = chunk_bytes  # several chunks, so only some parameters are affected
+    setup()
+    capture = _Capture()
+    plain = run_scenario({"steps": steps}, fcdp=False)
+    fcdp = run_scenario({"steps": steps}, fcdp=True)
+    return {"plain": plain.losses, "fcdp": fcdp.losses, "stats": fcdp.stats, "log": capture.fcdp()}
+
+
+def crash_mid_step(ckpt_dir: str, victim: int = 3) -> None:
+    """Save a checkpoint after 2 steps, then one rank dies in the middle of step 4."""
+    import os
+    import signal
+    setup()
+    cfg = toy.ds_config(fcdp_block(), regime="large")
+    engine = toy.build_engine(cfg, lora_rank=2)
+    toy.train(engine, 2)
+    engine.save_checkpoint(ckpt_dir, tag="step2")
+    toy.train(engine, 1, seed=1)
+    x, _ = toy.batch(99, 4, 32)
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward gathers of the others began
+    engine(x)
+    dist.barrier()
+
+
+def resume(ckpt_dir: str, fcdp: bool, tag: str = "step2", steps: int = 3) -> dict:
+    """A fresh job loads the checkpoint and trains on."""
+    setup()
+    cfg = toy.ds_config(fcdp_block() if fcdp else None, regime="large")
+    engine = toy.build_engine(cfg, lora_rank=2, seed=42)  # different init: the load must overwrite it
+    engine.load_checkpoint(ckpt_dir, tag=tag)
+    res = toy.train(engine, steps, seed=7)
+    weights = toy.gather_weights(engine)
+    return {"losses": res.losses, "weights": weights if dist.get_rank() == 0 else {}}
+
+
+def checkpoint_interop(ckpt_dir: str, steps: int = 2) -> dict:
+    """Save with each engine; load each checkpoint into the other kind; 16-bit model save."""
+    setup()
+    out = {}
+    for mode in ("plain", "fcdp"):
+        cfg = toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large")
+        engine = toy.build_engine(cfg, lora_rank=2)
+        toy.train(engine, steps)
+        engine.save_checkpoint(ckpt_dir, tag=mode)
+        engine.save_16bit_model(ckpt_dir, f"{mode}_16bit.bin")
+        out[f"{mode}_losses_after_save"] = toy.train(engine, 1, seed=5).losses
+    for loader in ("plain", "fcdp"):
+        for saved in ("plain", "fcdp"):
+            cfg = toy.ds_config(fcdp_block() if loader == "fcdp" else None, regime="large")
+            engine = toy.build_engine(cfg, lora_rank=2, seed=123)
+            engine.load_checkpoint(ckpt_dir, tag=saved)
+            out[f"{loader}_loads_{saved}"] = _forward(engine, 32)
+            out[f"{loader}_loads_{saved}_train"] = toy.train(engine, 2, seed=9).losses
+    return out
+
+
+def prefetch_soak(steps: int = 20) -> dict:
+    """DeepSpeed's prefetching on (buckets of several params), params released after use, many
+    steps and GA 2: cache fills, prefetched hits and invalidations interleave; FCDP must stay
+    identical to ZeRO-3 throughout."""
+    setup()
+    out = {}
+    for name, zero, lora in (("prefetch_release", {"stage3_prefetch_bucket_size": 3000, "stage3_max_reuse_distance": 0}, 0),
+                             ("deepspeed_defaults_lora", {}, 2)):
+        sc = {"steps": steps, "regime": "default", "zero": zero, "lora_rank": lora, "grad_accum": 2}
+        runs = {mode: run_scenario(sc, mode == "fcdp") for mode in ("plain", "fcdp")}
+        out[name] = {"plain": runs["plain"].losses, "fcdp": runs["fcdp"].losses, "stats": runs["fcdp"].stats}
+    return out
+
+
+def sleeper(seconds: float = 120) -> None:
+    import time
+    setup()
+    time.sleep(seconds)
+
+
+def topology_error(ranks_per_node=None) -> str:
+    """Build an FCDP engine with a bad layout; return the error every rank raised."""
+    setup(ranks_per_node=None)
+    try:
+        toy.build_engine(toy.ds_config(fcdp_block(ranks_per_node), regime="large"))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "no error"

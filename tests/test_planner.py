@@ -71,7 +71,7 @@ def test_committed_benchmark_run_matches_planner():
 def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     from fcdp_deepspeed.bench import BenchSpec, run_bench
     # adapters large enough that payload, not gloo's per-message protocol bytes, dominates (as in real LoRA)
-    spec = BenchSpec(rates_mbit=[0], hidden=512, layers=4, lora_rank=8, warmup=2, steps=2, timeout_s=400)
+    spec = BenchSpec(rates_mbit=[0], hidden=512, layers=4, lora_rank=8, warmup=2, steps=2, repeats=1, timeout_s=400)
     rows = run_bench(spec, tmp_path, progress=False)
     assert {(r["job"], r["engine"]) for r in rows} == {(j, e) for j in ("full", "lora") for e in ("zero3", "hpz", "fcdp")}
     check_rows(rows)
