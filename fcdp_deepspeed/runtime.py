@@ -45,7 +45,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.partition_parameters import Init
+from deepspeed.runtime.zero.partition_parameters import Init, ZeroParamStatus
 from deepspeed.utils import logger
 
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
@@ -95,19 +95,38 @@ class _SecondaryHook:
                 return
 
 
-class _VerifyingHandle:
-    """Wraps a gather handle; after it completes, compares cache-served params with a plain gather."""
+def _split_empty(params: list) -> tuple[list, list]:
+    """Zero-size parameters have nothing to gather; DeepSpeed's gather crashes on them
+    (``torch.cat`` of no partitions), so FCDP engines materialise them locally instead."""
+    empty = [p for p in params if p.ds_numel == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+    for p in empty:
+        p.ds_status = ZeroParamStatus.INFLIGHT  # the coordinator checks this right after issuing
+    return [p for p in params if p.ds_numel != 0], empty
 
-    def __init__(self, handle: Any, checks: list[tuple[CacheEntry, torch.Tensor]]) -> None:
+
+def _materialize_empty(params: list) -> None:
+    for p in params:
+        p.data = torch.empty(p.ds_shape, dtype=p.ds_tensor.dtype, device=get_accelerator().current_device_name())
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+class _VerifyingHandle:
+    """Wraps a gather handle: completes zero-size parameters, and compares cache-served parameters
+    with a plain gather (verify mode)."""
+
+    def __init__(self, handle: Any, checks: list[tuple[CacheEntry, torch.Tensor]], empty: list) -> None:
         self.handle = handle
         self.checks = checks
+        self.empty = empty
         self.done = False
 
     def wait(self, handle_dependency: bool = True) -> None:
-        self.handle.wait(handle_dependency=handle_dependency)
+        if self.handle is not None:
+            self.handle.wait(handle_dependency=handle_dependency)
         if self.done:
             return
         self.done = True
+        _materialize_empty(self.empty)
         for entry, reference in self.checks:
             served = entry.param.data.reshape(-1)
             expected = reference.narrow(0, 0, entry.param.ds_numel).to(served.dtype)
@@ -310,15 +329,23 @@ class FCDPRuntime:
         original_coalesced, original_gather = param.all_gather_coalesced, param.all_gather
 
         def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
-            params = list(params)
+            params, empty = _split_empty(list(params))
             hits, checks = runtime._count_and_verify(params)
-            with LEDGER.attribute(runtime.comm), runtime.cache.staged(hits):
-                handle = original_coalesced(params, safe_mode=safe_mode, quantize=quantize)
-            return _VerifyingHandle(handle, checks) if checks else handle
+            handle = None
+            if params:
+                with LEDGER.attribute(runtime.comm), runtime.cache.staged(hits):
+                    handle = original_coalesced(params, safe_mode=safe_mode, quantize=quantize)
+            if checks or empty:
+                return _VerifyingHandle(handle, checks, empty)
+            return handle
 
         def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
+            rest, empty = _split_empty(list(param_list) if param_list is not None else [param])
+            _materialize_empty(empty)
+            if not rest:
+                return [] if async_op else None
             with LEDGER.attribute(runtime.comm):
-                return original_gather(param_list=param_list, async_op=async_op, hierarchy=hierarchy)
+                return original_gather(param_list=rest, async_op=async_op, hierarchy=hierarchy)
 
         all_gather_coalesced._fcdp_original = original_coalesced
         all_gather._fcdp_original = original_gather

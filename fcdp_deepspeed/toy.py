@@ -84,7 +84,8 @@ def ds_config(fcdp: Optional[dict] = None, *, regime: str = "large", grad_accum:
     case where backward re-gathers everything. ``"default"`` keeps DeepSpeed's settings, under which a
     small model is prefetched and kept between forward and backward.
     """
-    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
+                            "stage3_gather_16bit_weights_on_model_save": True}
     if regime == "large":
         zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     if hpz:

@@ -324,7 +324,7 @@ class EdgeModel(torch.nn.Module):
     """Parameters FCDP must survive: tiny (< L elements), sizes not divisible by L, zero-size, tied
     weights used by two modules, a module reused twice, and an external parameter."""
 
-    def __init__(self, hidden: int = 30) -> None:
+    def __init__(self, hidden: int = 30, zero_size: bool = False) -> None:
         super().__init__()
         self.emb = torch.nn.Linear(hidden, hidden)  # 30x30 + 30: not divisible by 4
         self.tiny = torch.nn.Linear(hidden, 1)  # bias of 1 element (< L)
@@ -332,31 +332,33 @@ class EdgeModel(torch.nn.Module):
         self.shared = torch.nn.Linear(hidden, hidden)  # called twice per forward
         self.head = torch.nn.Linear(hidden, hidden, bias=False)
         self.head.weight = self.emb.weight  # tied with emb
-        self.empty = torch.nn.Parameter(torch.empty(0))  # zero-size
+        self.empty = torch.nn.Parameter(torch.empty(0)) if zero_size else None  # zero-size
         self.ext = torch.nn.Linear(hidden, hidden)
-        self.scale = torch.nn.Parameter(torch.ones(hidden))  # used by the parent, owned here: external
-        deepspeed.zero.register_external_parameter(self, self.scale) if hasattr(self.scale, "ds_id") else None
+        self.gate = torch.nn.Linear(hidden, hidden, bias=False)  # never called: its weight is used by
+        # the parent's forward, i.e. external to its owner (registered after partitioning)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.emb(x))
         h = h + self.back(torch.tanh(self.tiny(h)))
         h = torch.tanh(self.shared(h))
-        h = torch.tanh(self.shared(h)) * self.scale
-        return self.head(h + self.ext(h)) + self.empty.sum()
+        h = torch.tanh(self.shared(h)) + 0.1 * torch.nn.functional.linear(h, self.gate.weight)
+        out = self.head(h + self.ext(h))
+        return out + self.empty.sum() if self.empty is not None else out
 
 
-def edge_parameters(steps: int = 4, persistence_threshold: int = 0, dtype: str = "fp32") -> dict:
+def edge_parameters(steps: int = 4, persistence_threshold: int = 0, dtype: str = "fp32", zero_size: bool = False,
+                    modes: tuple = ("plain", "fcdp")) -> dict:
     setup()
     out = {}
     import fcdp_deepspeed as fd
     fd.install()
-    for mode in ("plain", "fcdp"):
+    for mode in modes:
         cfg = toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large", dtype=dtype,
                             stage3_param_persistence_threshold=persistence_threshold)
         torch.manual_seed(0)
-        model = EdgeModel()
+        model = EdgeModel(zero_size=zero_size)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        deepspeed.zero.register_external_parameter(engine.module, engine.module.scale)
+        deepspeed.zero.register_external_parameter(engine.module, engine.module.gate.weight)
         res = toy.train(engine, steps, hidden=30, dtype=DTYPES[dtype])
         res.weights = toy.gather_weights(engine)
         if dist.get_rank() != 0:
