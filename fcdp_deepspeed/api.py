@@ -69,8 +69,9 @@ def get_stats(engine: Any) -> dict:
 
     Keys include ``inter_node_allgather_bytes``, ``intra_node_allgather_bytes``, ``cache_hits``,
     ``cache_misses``, ``host_cache_bytes``, ``device_cache_bytes`` (bytes each rank received in
-    all-gathers whose group spans nodes / stays in a node). For an engine without FCDP, the cache
-    keys are 0 and the byte keys are this process's totals (see :func:`enable_comm_counting`).
+    all-gathers whose group spans nodes / stays in a node). For an engine without an enabled block,
+    the cache keys are 0 and the byte keys count this process's collectives since the engine was
+    created (built after ``install()``; otherwise since counting began, see :func:`enable_comm_counting`).
     """
     optimizer = getattr(engine, "optimizer", None)
     runtime = getattr(optimizer, "fcdp", None)
