@@ -72,7 +72,7 @@ class CacheEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.slot_numel * self.dtype.itemsize
 
 
 #: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
@@ -120,7 +120,7 @@ class SlotPool:
             by_dtype.setdefault(e.dtype, []).append(e)
         failed: list[CacheEntry] = []
         for dtype, group in by_dtype.items():
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             chunk: list[CacheEntry] = []
             chunk_numel = 0
             for e in group + [None]:  # type: ignore[list-item]

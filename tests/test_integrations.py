@@ -33,8 +33,16 @@ def _config(tmp: Path, fcdp_block) -> str:
 
 def _launch(cmd: list[str], out: Path) -> list[dict]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
-    log = proc.stdout + proc.stderr
+    # own session: on a timeout the launcher *and* its ranks are killed (a launcher killed alone
+    # leaves its ranks running)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
     # gloo ranks sometimes abort in interpreter teardown after a complete, successful run; the
     # results file is written only after every rank finished training, so that case is accepted.
     assert proc.returncode == 0 or (KNOWN_EXIT_ABORT in log and out.exists()), log[-4000:]
