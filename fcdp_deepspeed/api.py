@@ -10,7 +10,7 @@ import deepspeed.runtime.zero.stage3 as _stage3_module
 
 from fcdp_deepspeed.monitor import RecordingMonitorMaster
 from fcdp_deepspeed.stage3 import FCDPStage3, FCDPZeROOffload
-from fcdp_deepspeed.stats import INTER, INTRA, LEDGER
+from fcdp_deepspeed.stats import LEDGER
 from fcdp_deepspeed.topology import discover_node_map
 
 _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
@@ -58,10 +58,8 @@ def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
 
 
 def _process_totals() -> dict:
-    out = {f"process_{k}": v for k, v in LEDGER.totals.snapshot().items()}
-    out["process_inter_node_allgather_bytes"] = LEDGER.totals.get("allgather", INTER)[0]
-    out["process_intra_node_allgather_bytes"] = LEDGER.totals.get("allgather", INTRA)[0]
-    return out
+    totals = {**LEDGER.totals.allgather_summary(), **LEDGER.totals.snapshot()}
+    return {f"process_{k}": v for k, v in totals.items()}
 
 
 def get_stats(engine: Any) -> dict:
@@ -80,10 +78,7 @@ def get_stats(engine: Any) -> dict:
     else:
         since = LEDGER.totals.minus(getattr(optimizer, "fcdp_baseline", None))
         out = {
-            "inter_node_allgather_bytes": since.get("allgather", INTER)[0],
-            "intra_node_allgather_bytes": since.get("allgather", INTRA)[0],
-            "inter_node_allgather_calls": since.get("allgather", INTER)[1],
-            "intra_node_allgather_calls": since.get("allgather", INTRA)[1],
+            **since.allgather_summary(),
             "cache_hits": 0, "cache_misses": 0, "host_cache_bytes": 0, "device_cache_bytes": 0,
             "fcdp_enabled": False,
             **since.snapshot(),

@@ -51,8 +51,8 @@ from deepspeed.utils import logger
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError
 from fcdp_deepspeed.monitor import latest_monitor, monitor_events
-from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
-from fcdp_deepspeed.stats import INTER, INTRA, LEDGER, CacheCounters, CommCounters, fmt_bytes, format_stats_line
+from fcdp_deepspeed.placement import SlotRequest, plan_placement
+from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters, fmt_bytes, format_stats_line
 from fcdp_deepspeed.topology import Topology, TopologyError, build_topology, group_ranks
 
 
@@ -93,6 +93,10 @@ class _SecondaryHook:
             if entry is not None:
                 cache.on_partition(entry, has_been_updated)
                 return
+
+
+def _request(entry: CacheEntry) -> SlotRequest:
+    return SlotRequest(entry.param.ds_id, entry.nbytes, frozen=not entry.param.requires_grad)
 
 
 def _split_empty(params: list) -> tuple[list, list]:
@@ -264,8 +268,7 @@ class FCDPRuntime:
         cache = self.cache
         entries = list(cache.entries.values())  # ds_id order: identical on every rank
         host_budget, device_budget = self._budgets()
-        requests = [SlotRequest(e.param.ds_id, e.nbytes, frozen=not e.param.requires_grad) for e in entries]
-        plan = plan_placement(requests, self.config.cache_device, host_budget, device_budget)
+        plan = plan_placement([_request(e) for e in entries], self.config.cache_device, host_budget, device_budget)
         agreed = self._agree([plan[e.param.ds_id] is not None for e in entries])
         over_budget = [e for e, ok in zip(entries, agreed) if not ok]
         cache.disable(over_budget, "over budget")
@@ -304,13 +307,8 @@ class FCDPRuntime:
         headroom = max(0, acc.total_memory() - acc.max_memory_allocated())
         budget = min(headroom, self.config.device_budget_spec.resolve(headroom, auto_fraction=0.5))
         host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]
-        order = {r.key: i for i, r in enumerate(placement_order(
-            [SlotRequest(e.param.ds_id, e.nbytes, frozen=not e.param.requires_grad) for e in host]))}
-        chosen, used = [], 0
-        for e in sorted(host, key=lambda e: order[e.param.ds_id]):
-            if used + e.nbytes <= budget:
-                chosen.append(e)
-                used += e.nbytes
+        plan = plan_placement([_request(e) for e in host], "device", host_budget=0, device_budget=budget)
+        chosen = [e for e in host if plan[e.param.ds_id] is Placement.DEVICE]
         if not chosen:
             return
         pool = self.cache.pools[Placement.DEVICE] or SlotPool(Placement.DEVICE, pin=False)
@@ -427,10 +425,7 @@ class FCDPRuntime:
         cache, topo, c = self.cache, self.topology, self.counters
         host_pool, device_pool = cache.pools[Placement.HOST], cache.pools[Placement.DEVICE]
         out = {
-            "inter_node_allgather_bytes": self.comm.get("allgather", INTER)[0],
-            "intra_node_allgather_bytes": self.comm.get("allgather", INTRA)[0],
-            "inter_node_allgather_calls": self.comm.get("allgather", INTER)[1],
-            "intra_node_allgather_calls": self.comm.get("allgather", INTRA)[1],
+            **self.comm.allgather_summary(),
             "cache_hits": c.hits,
             "cache_misses": c.misses,
             "uncached_fetches": c.uncached_fetches,

@@ -157,6 +157,14 @@ class CommCounters:
             return CommCounters(bytes=self.bytes - other.bytes, calls=self.calls - other.calls,
                                 wire=self.wire - other.wire)
 
+    def allgather_summary(self) -> dict[str, int]:
+        """The all-gather keys of ``get_stats``: bytes and calls by link class, zeros included."""
+        out = {}
+        for link in (INTER, INTRA):
+            nbytes, calls = self.get("allgather", link)
+            out[f"{link}_allgather_bytes"], out[f"{link}_allgather_calls"] = nbytes, calls
+        return out
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             out = {}
@@ -303,9 +311,9 @@ def fmt_bytes(n: float) -> str:
     """Human-readable bytes (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            break
         n /= 1024.0
-    return f"{n:.1f} TiB"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def format_stats_line(stats: dict) -> str:
