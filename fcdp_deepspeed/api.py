@@ -8,6 +8,7 @@ import deepspeed
 import deepspeed.runtime.engine as _engine_module
 import deepspeed.runtime.zero.stage3 as _stage3_module
 
+from fcdp_deepspeed.grads import uninstall_dispatch
 from fcdp_deepspeed.monitor import RecordingMonitorMaster
 from fcdp_deepspeed.stage3 import FCDPStage3, FCDPZeROOffload
 from fcdp_deepspeed.stats import LEDGER
@@ -35,6 +36,7 @@ def uninstall() -> None:
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = _ORIGINAL_STAGE3
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
+    uninstall_dispatch()
 
 
 def is_installed() -> bool:
@@ -83,6 +85,9 @@ def get_stats(engine: Any) -> dict:
             "fcdp_enabled": False,
             **since.snapshot(),
         }
+    reducer = getattr(optimizer, "fcdp_grads", None)
+    if reducer is not None:
+        out.update(reducer.stats())
     out.setdefault("fcdp_enabled", True)
     out.update(_process_totals())
     return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Union
 
 import hjson
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -110,7 +110,37 @@ class FCDPConfig(DeepSpeedConfigModel):
     min_numel: int = Field(0, ge=0)
     """Parameters with fewer elements than this are not cached (their gather cost is latency-bound)."""
 
-    @field_validator("host_budget", "device_budget")
+    grad_reduce: Literal["flat", "hierarchical"] = "flat"
+    """``flat``: DeepSpeed's reduce-scatter over the whole data-parallel group (bit-identical to
+    ZeRO-3). ``hierarchical``: reduce inside the node, then across nodes among node peers only, so
+    each node uplink carries (N-1)/N of the gradient once; the summation order differs from ZeRO-3."""
+
+    grad_accumulation: Literal["rank", "node"] = "rank"
+    """``rank``: DeepSpeed's per-rank accumulation (every micro-step crosses nodes). ``node``: micro-steps
+    before the accumulation boundary reduce inside the node into a node-shard buffer; the inter-node
+    stage runs once per optimizer step. Implies ``grad_reduce: hierarchical``."""
+
+    grad_buffer_device: Literal["host", "device"] = "host"
+    """Where the ``node`` accumulation buffer (1/L of the trainable parameters per rank, fp32) lives:
+    pinned host memory (no accelerator memory beyond ZeRO-3's) or accelerator memory."""
+
+    grad_buffer_budget: Union[int, str] = "25%"
+    """Memory the accumulation buffer may use: on the host per node (bytes, a size or a percentage of
+    available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
+    the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
+            if data.get("grad_reduce", "hierarchical") == "flat":
+                raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
+                                      "can complete, so it needs fcdp.grad_reduce = \"hierarchical\". Fix: set "
+                                      "grad_reduce to \"hierarchical\" (or leave it out), or grad_accumulation to \"rank\".")
+            data = {**data, "grad_reduce": "hierarchical"}
+        return data
+
+    @field_validator("host_budget", "device_budget", "grad_buffer_budget")
     @classmethod
     def _check_budget(cls, value: Any, info) -> Any:
         Budget.parse(info.field_name, value)
@@ -130,6 +160,15 @@ class FCDPConfig(DeepSpeedConfigModel):
     @property
     def device_budget_spec(self) -> Budget:
         return Budget.parse("device_budget", self.device_budget)
+
+    @property
+    def grad_buffer_budget_spec(self) -> Budget:
+        return Budget.parse("grad_buffer_budget", self.grad_buffer_budget)
+
+    @property
+    def grad_modes_active(self) -> bool:
+        """Whether gradients leave DeepSpeed's flat, per-rank path (summation order changes)."""
+        return self.grad_reduce != "flat" or self.grad_accumulation != "rank"
 
     @property
     def verify_rate(self) -> float:
@@ -226,3 +265,26 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
                         "Fix: set compile.deepcompile false")
     if problems:
         raise FCDPConfigError("fcdp cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")
+
+
+def check_grad_modes_compatible(ds_config: Mapping[str, Any], fcdp: FCDPConfig) -> None:
+    """Refuse DeepSpeed settings that bypass the bucketed reduce-scatter the gradient modes replace."""
+    if not fcdp.grad_modes_active:
+        return
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = get_zero_config(dict(ds_config))
+    problems = []
+    if zero.zero_quantized_gradients:
+        problems.append("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) reduces with its own quantized "
+                        "all-to-all. Fix: set it to false")
+    if not zero.reduce_scatter:
+        problems.append("zero_optimization.reduce_scatter = false reduces with an all-reduce of the whole bucket. "
+                        "Fix: set it to true (the default)")
+    if fcdp.grad_accumulation == "node" and ds_config.get("managed_gradient_accumulation") is False:
+        problems.append("managed_gradient_accumulation = false leaves the accumulation boundary to step(), so no "
+                        "backward knows it is the last of the window. Fix: remove it, or set "
+                        "fcdp.grad_accumulation to \"rank\"")
+    if problems:
+        raise FCDPConfigError(f"fcdp.grad_reduce = {fcdp.grad_reduce!r} / fcdp.grad_accumulation = "
+                              f"{fcdp.grad_accumulation!r} cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")

@@ -15,17 +15,30 @@ Invalidation events (every path that writes a parameter's bit16 value):
 - ``partition(has_been_updated=True)`` (``GatheredParameters(modifier_rank=...)``): refreshed in
   place by the cache's partition hook (``runtime._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
+
+Gradients (``grad_reduce``/``grad_accumulation``, see ``grads.py``): DeepSpeed's bucket reduction
+``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
+goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
+reducer's copy/add/skip decision under node accumulation; the end of the boundary backward flushes
+buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window.
 """
 from __future__ import annotations
 
 import contextlib
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed.config import check_ds_config_compatible, load_ds_config, parse_fcdp_config
+from fcdp_deepspeed import grads
+from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
+                                   parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
-from fcdp_deepspeed.stats import LEDGER
+from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER
+
+#: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
+_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+assert hasattr(DeepSpeedZeroOptimizer_Stage3, _AVG_SCATTER), "DeepSpeed's stage-3 gradient path moved"
 
 
 class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
@@ -36,7 +49,9 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
         fcdp_config = parse_fcdp_config(ds_config)
         if fcdp_config.enabled:
             check_ds_config_compatible(ds_config)
+            check_grad_modes_compatible(ds_config, fcdp_config)
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
+        self.fcdp_grads: grads.GradReducer | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
         # Plain engines report process-wide collective bytes since this point (see get_stats).
         self.fcdp_baseline = LEDGER.totals.copy()
@@ -44,22 +59,87 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
             params = [p for group in self.fp16_groups for p in group]
             self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                     param_names=self.param_names).activate()
+            self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
+                                                  [p for p in params if p.requires_grad],
+                                                  self.gradient_accumulation_dtype,
+                                                  self.is_gradient_accumulation_boundary)
 
     # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
     def _attributed(self):
         return LEDGER.attribute(self.fcdp.comm) if self.fcdp is not None else contextlib.nullcontext()
 
     def reduce_ready_partitions_and_remove_grads(self, param) -> None:
-        with self._attributed():
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
             super().reduce_ready_partitions_and_remove_grads(param)
 
     def independent_gradient_partition_epilogue(self) -> None:
-        with self._attributed():
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
             super().independent_gradient_partition_epilogue()
+            if self.fcdp_grads is not None and self.is_gradient_accumulation_boundary():
+                self._flush_node_buffer()
 
     def step(self, closure=None):
         with self._attributed():
+            if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
+                # Unreachable when the engine drives the boundary; never step without the window's sums.
+                with LEDGER.tagged(GRAD_FAMILY):
+                    self._flush_node_buffer()
             return super().step(closure)
+
+    # -- gradient path (grads.py) ----------------------------------------------------------------
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+        with grads.bucket(self.fcdp_grads, params_to_reduce):
+            return getattr(super(), _AVG_SCATTER)(params_to_reduce, communication_data_type)
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        reducer = self.fcdp_grads
+        if reducer is None or not reducer.node_accumulation:
+            return super().partition_grads(params_to_release, grad_partitions)
+        copy, add, skip = reducer.split_delivered(params_to_release)
+        buffers = []
+        saved = self.micro_step_id
+        try:
+            for indices, step_id in ((copy, 0), (add, 1)):  # DeepSpeed copies at micro_step_id 0, else adds
+                if indices:
+                    self.micro_step_id = step_id
+                    buffers += super().partition_grads([params_to_release[i] for i in indices],
+                                                       [grad_partitions[i] for i in indices])
+        finally:
+            self.micro_step_id = saved
+        for i in skip:  # in the node buffer: free the full gradient as DeepSpeed does after reducing it
+            param = params_to_release[i]
+            if not get_accelerator().is_synchronized_device() and param.grad is not None:
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+        return buffers
+
+    def _flush_node_buffer(self) -> None:
+        """Deliver window sums of parameters that got no gradient in the boundary micro-step."""
+        reducer = self.fcdp_grads
+        if not reducer.buffer.dirty:
+            return
+        world = reducer.layout.dp_size
+        with get_accelerator().stream(self.reduce_and_partition_stream):
+            for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
+                # The scaling __avg_scatter_grads applies after its reduce-scatter (DeepSpeed 0.19.8 stage3.py).
+                if self.postscale_gradients and self.gradient_predivide_factor not in (1.0, world):
+                    parts = [g.mul(self.gradient_predivide_factor) for g in parts]
+                averaging = self._gradient_averaging_world_size(params, world)
+                if averaging != world:
+                    parts = [g.mul(world / float(averaging)) for g in parts]
+                self.partition_grads(params, parts)
+        if not get_accelerator().resolves_data_dependency():
+            self.reduce_and_partition_stream.synchronize()
+
+    def _pre_step(self) -> None:
+        super()._pre_step()
+        if self.fcdp_grads is not None:
+            self.fcdp_grads.new_window(discard=False)
+
+    def zero_grad(self, set_to_none=True) -> None:
+        super().zero_grad(set_to_none)
+        if self.fcdp_grads is not None:
+            self.fcdp_grads.new_window(discard=True)
 
     def _unflatten_partitioned_parameters(self, sub_group_id: int) -> None:
         super()._unflatten_partitioned_parameters(sub_group_id)
@@ -79,6 +159,8 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
     def checkpoint_event_epilogue(self) -> None:
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")
+        if self.fcdp_grads is not None:
+            self.fcdp_grads.new_window(discard=True)
         super().checkpoint_event_epilogue()
 
 

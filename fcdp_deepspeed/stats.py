@@ -24,6 +24,9 @@ import deepspeed.comm.comm as _comm_module  # the live ``cdb`` global (the packa
 
 INTER = "inter_node"
 INTRA = "intra_node"
+#: Tag under which every gradient-reduction collective is also counted (``*_grad_reduce_bytes``),
+#: whichever collectives carry it (DeepSpeed's reduce-scatter, FCDP's all-to-alls).
+GRAD_FAMILY = "grad_reduce"
 
 # Argument names of the TorchBackend methods we wrap (its decorators hide the signatures).
 _ARGS = {
@@ -158,11 +161,13 @@ class CommCounters:
                                 wire=self.wire - other.wire)
 
     def allgather_summary(self) -> dict[str, int]:
-        """The all-gather keys of ``get_stats``: bytes and calls by link class, zeros included."""
+        """The all-gather and gradient-reduction keys of ``get_stats``: bytes and calls by link class,
+        zeros included."""
         out = {}
-        for link in (INTER, INTRA):
-            nbytes, calls = self.get("allgather", link)
-            out[f"{link}_allgather_bytes"], out[f"{link}_allgather_calls"] = nbytes, calls
+        for family in ("allgather", GRAD_FAMILY):
+            for link in (INTER, INTRA):
+                nbytes, calls = self.get(family, link)
+                out[f"{link}_{family}_bytes"], out[f"{link}_{family}_calls"] = nbytes, calls
         return out
 
     def snapshot(self) -> dict[str, int]:
@@ -259,9 +264,22 @@ class CommLedger:
             if method == "broadcast":  # deepspeed.comm takes a global src rank
                 args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
             wire = wire_bytes_sent(method, args, ranks, me, self._node_of_rank)
-        self.totals.add(family, link, nbytes, wire)
-        for sink in getattr(self._local, "sinks", ()):
-            sink.add(family, link, nbytes, wire)
+        tag = getattr(self._local, "tag", None)
+        for counters in (self.totals, *getattr(self._local, "sinks", ())):
+            counters.add(family, link, nbytes, wire)
+            if tag is not None:
+                counters.add(tag, link, nbytes)  # bytes and calls only: wire bytes stay per op family
+
+    @contextmanager
+    def tagged(self, family: str) -> Iterator[None]:
+        """Also count collectives issued by this thread inside the block under ``family`` (e.g. all
+        gradient-reduction traffic, whichever collectives carry it)."""
+        previous = getattr(self._local, "tag", None)
+        self._local.tag = family
+        try:
+            yield
+        finally:
+            self._local.tag = previous
 
     @contextmanager
     def attribute(self, sink: CommCounters) -> Iterator[None]:

@@ -81,6 +81,20 @@ def derive_node_groups(node_of_rank: Mapping[int, str], dp_groups: Iterable[Sequ
     return sorted(result)
 
 
+def derive_peer_groups(node_of_rank: Mapping[int, str], dp_groups: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Node peers of every DP group: the ranks with the same position (index in their ascending
+    node ∩ DP group) on each node. A peer group holds one rank per node, so the inter-node stage of
+    a hierarchical reduction runs over it. Sorted, the order in which every rank must create them."""
+    result: set[tuple[int, ...]] = set()
+    for dp in dp_groups:
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for r in sorted(dp):
+            by_node[node_of_rank[r]].append(r)
+        for position in range(min(len(ranks) for ranks in by_node.values())):
+            result.add(tuple(sorted(ranks[position] for ranks in by_node.values())))
+    return sorted(result)
+
+
 @dataclass
 class Topology:
     """The node layout as seen by one rank of one DP group."""
@@ -90,6 +104,8 @@ class Topology:
     node_ranks: tuple[int, ...]
     source: str
     group: Any = field(repr=False, default=None)
+    dp_groups: tuple[tuple[int, ...], ...] = ()
+    """Every rank's DP group (all DP groups of the job), for groups derived later (node peers)."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -156,12 +172,23 @@ def build_topology(dp_group: Any = None, ranks_per_node: Optional[int] = None) -
     node_of_rank, source, all_dp = discover_node_map(ranks_per_node, dp_group)
     dp_ranks = group_ranks(dp_group)
     groups = derive_node_groups(dict(enumerate(node_of_rank)), sorted(set(all_dp)))
+    _create_groups(groups)
     rank = dist.get_rank()
-    mine = None
+    mine = next(g for g in groups if rank in g)
+    return Topology(node_of_rank=node_of_rank, dp_ranks=dp_ranks, node_ranks=mine, source=source, group=_GROUPS[mine],
+                    dp_groups=tuple(sorted(set(all_dp))))
+
+
+def _create_groups(groups: Iterable[tuple[int, ...]]) -> None:
     for ranks in groups:  # same order on every rank: new_group is collective over the world
         if ranks not in _GROUPS:
             _GROUPS[ranks] = dist.new_group(list(ranks))
-        if rank in ranks:
-            mine = ranks
-    assert mine is not None
-    return Topology(node_of_rank=node_of_rank, dp_ranks=dp_ranks, node_ranks=mine, source=source, group=_GROUPS[mine])
+
+
+def build_peer_group(topo: Topology) -> tuple[tuple[int, ...], Any]:
+    """Collective over the world: create every DP group's node-peer groups; return this rank's."""
+    peers = derive_peer_groups(dict(enumerate(topo.node_of_rank)), topo.dp_groups)
+    _create_groups(peers)
+    rank = dist.get_rank()
+    mine = next(p for p in peers if rank in p)
+    return mine, _GROUPS[mine]
