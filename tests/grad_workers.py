@@ -50,9 +50,71 @@ def sabotage(kind: str) -> None:
         raise ValueError(kind)
 
 
+class GatedToy(toy.ToyModel):
+    """The toy MLP whose last block runs only on micro-steps ``gate`` allows (every rank alike), so
+    some parameters get no gradient in some micro-steps (conditional computation, MoE-like)."""
+
+    def forward(self, x: torch.Tensor, use_last: bool = True) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i == len(self.blocks) - 1 and not use_last:
+                continue
+            if self.activation_checkpointing and self.training:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+            else:
+                h = block(h)
+        return self.out(h)
+
+
+def build(sc: dict, cfg: dict):
+    """Build the scenario's engine (``toy.build_engine`` unless the scenario gates a block or uses
+    reentrant checkpointing)."""
+    kw = dict(hidden=sc.get("hidden", 32), lora_rank=sc.get("lora_rank", 0), layers=sc.get("layers", 4))
+    if not sc.get("gate") and not sc.get("reentrant"):
+        return toy.build_engine(copy.deepcopy(cfg), activation_checkpointing=sc.get("ckpt", False),
+                                zero_init=sc.get("zero_init", False), **kw)
+    fcdp_deepspeed.install()
+    torch.manual_seed(0)
+    model = GatedToy(kw["hidden"], kw["layers"], kw["lora_rank"], sc.get("ckpt", False) or sc.get("reentrant", False))
+    model.reentrant = bool(sc.get("reentrant"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=copy.deepcopy(cfg))
+    return engine
+
+
+def gate(sc: dict, micro: int) -> dict:
+    """Forward kwargs of micro-step ``micro``: ``sc["gate"]`` = micro-steps (mod GA) that skip the last block."""
+    skip = sc.get("gate")
+    if not skip:
+        return {}
+    return {"use_last": micro % sc.get("grad_accum", 1) not in skip}
+
+
+def train(engine, sc: dict) -> toy.RunResult:
+    """``toy.train`` with the scenario's gate (the loop is the same: forward, backward, step)."""
+    if not sc.get("gate"):
+        return toy.train(engine, sc.get("steps", 10), hidden=sc.get("hidden", 32), record_step_stats=True,
+                         dtype=DTYPES[sc.get("dtype", "fp32")])
+    res = toy.RunResult()
+    micro = 0
+    for _ in range(sc.get("steps", 10)):
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), sc.get("hidden", 32))
+            loss = F.mse_loss(engine(x, **gate(sc, micro)), y)
+            engine.backward(loss)
+            engine.step()
+            res.losses.append(loss.item())
+            micro += 1
+        res.step_stats.append(fcdp_deepspeed.get_stats(engine))
+    res.stats = fcdp_deepspeed.get_stats(engine)
+    return res
+
+
 def _config(sc: dict, fcdp: dict | None) -> dict:
-    return toy.ds_config(fcdp, regime=sc.get("regime", "large"), grad_accum=sc.get("grad_accum", 1),
-                         dtype=sc.get("dtype", "fp32"), **sc.get("zero", {}))
+    cfg = toy.ds_config(fcdp, regime=sc.get("regime", "large"), grad_accum=sc.get("grad_accum", 1),
+                        dtype=sc.get("dtype", "fp32"), **sc.get("zero", {}))
+    cfg.update(sc.get("top", {}))  # top-level DeepSpeed keys (gradient_predivide_factor, communication_data_type)
+    return cfg
 
 
 def reference_errors(sc: dict, fcdp: dict | None) -> list[dict]:
@@ -60,8 +122,7 @@ def reference_errors(sc: dict, fcdp: dict | None) -> list[dict]:
     the exact (float64) average of every rank's full fp32 gradient over the window."""
     cfg = _config(sc, fcdp)
     hidden = sc.get("hidden", 32)
-    engine = toy.build_engine(cfg, hidden=hidden, lora_rank=sc.get("lora_rank", 0), layers=sc.get("layers", 4),
-                              activation_checkpointing=sc.get("ckpt", False))
+    engine = build(sc, cfg)
     ga = engine.gradient_accumulation_steps()
     world, rank = dist.get_world_size(), dist.get_rank()
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -69,17 +130,18 @@ def reference_errors(sc: dict, fcdp: dict | None) -> list[dict]:
     micro = 0
     for _ in range(sc.get("steps", 2)):
         weights = toy.gather_weights(engine)
-        replica = toy.ToyModel(hidden, sc.get("layers", 4), sc.get("lora_rank", 0))
+        replica = GatedToy(hidden, sc.get("layers", 4), sc.get("lora_rank", 0))
         replica.load_state_dict(weights)
         exact = {n: torch.zeros(p.ds_numel, dtype=torch.float64) for n, p in named}
         for _ in range(ga):
             x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden)
             replica.zero_grad()
-            (F.mse_loss(replica(x), y) / ga).backward()
+            (F.mse_loss(replica(x, **gate(sc, micro)), y) / ga).backward()
             rp = dict(replica.named_parameters())
             for n, _ in named:
-                exact[n] += rp[n].grad.reshape(-1).double()
-            engine.backward(F.mse_loss(engine(x), y))
+                if rp[n].grad is not None:
+                    exact[n] += rp[n].grad.reshape(-1).double()
+            engine.backward(F.mse_loss(engine(x, **gate(sc, micro)), y))
             if engine.is_gradient_accumulation_boundary():
                 err = ref_max = 0.0
                 for n, p in named:
@@ -117,15 +179,29 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
         runs = {}
         for mode in ("plain", "fcdp"):
             block = {"enabled": True, "ranks_per_node": ranks_per_node, **sc.get("fcdp", {})} if mode == "fcdp" else None
-            cfg = _config(sc, block)
-            engine = toy.build_engine(copy.deepcopy(cfg), hidden=sc.get("hidden", 32), lora_rank=sc.get("lora_rank", 0),
-                                      layers=sc.get("layers", 4), activation_checkpointing=sc.get("ckpt", False),
-                                      zero_init=sc.get("zero_init", False))
-            res = toy.train(engine, sc.get("steps", 10), hidden=sc.get("hidden", 32), record_step_stats=True,
-                            dtype=DTYPES[sc.get("dtype", "fp32")])
+            engine = build(sc, _config(sc, block))
+            res = train(engine, sc)
             weights = toy.gather_weights(engine)
             res.weights = weights if dist.get_rank() == 0 else {}
             res.extra["optimizer_class"] = type(engine.optimizer).__name__
             runs[mode] = res
         out[sc["name"]] = runs
+    return out
+
+
+def checkpoint_resume(ckpt_dir: str, ranks_per_node: int = 2, grad_accum: int = 4) -> dict:
+    """Node accumulation across a checkpoint at a step boundary: a job that saves and trains on
+    vs a fresh job (node mode, and plain ZeRO-3) that loads the checkpoint and trains on."""
+    setup(ranks_per_node)
+    node = {"enabled": True, "ranks_per_node": ranks_per_node, "grad_accumulation": "node"}
+    sc = {"grad_accum": grad_accum}
+    engine = build(sc, _config(sc, node))
+    toy.train(engine, 3)
+    engine.save_checkpoint(ckpt_dir, tag="s3")
+    out = {"continued": toy.train(engine, 2, seed=5).losses}
+    for name, block in (("node_loads", node), ("zero3_loads", None)):
+        sc2 = dict(sc)
+        engine = toy.build_engine(_config(sc2, block), seed=99)  # different init: the load must overwrite it
+        engine.load_checkpoint(ckpt_dir, tag="s3")
+        out[name] = toy.train(engine, 2, seed=5).losses
     return out
