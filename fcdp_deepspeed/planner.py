@@ -4,12 +4,20 @@ lower bounds for ZeRO-3, ZeRO++ hpZ and FCDP, and a recommended ``fcdp`` block.
     fcdp plan --params 30B --nodes 4 --ranks-per-node 8 --inter-gbps 1 --trainable-fraction 0.001
     fcdp plan --config ds.json --params 7e9 --nodes 2 --ranks-per-node 8 --inter-gbps 25
 
+Engines: ``zero3``, ``hpz`` (ZeRO++ hpZ), ``fcdp`` (node cache, DeepSpeed's gradient path:
+``grad_reduce: flat``, ``grad_accumulation: rank``), ``fcdp_node`` (node cache plus
+``grad_reduce: hierarchical`` and ``grad_accumulation: node``), and ``bound``: exact data parallelism's
+lower bound, each node receiving the trainable parameters that changed once and sending its gradient
+share once per optimizer step ((N-1)/N of the trainable bytes each, per node).
+
 The byte model is validated against the emulated cluster's kernel counters (``tests/test_planner.py``
 checks every benchmark run within 10%). Assumptions: ranks numbered node-major, ring all-gather and
 all-reduce (each ring crosses every node boundary once), DeepSpeed's large-model release regime
 (every parameter re-gathered in backward unless its module needs no backward), steady state
-(frozen slices already cached), gradients reduce-scattered every micro-step. ``--backend gloo``
-models gloo's reduce-scatter, which costs a full all-reduce.
+(frozen slices already cached), flat gradients reduce-scattered every micro-step. ``--backend gloo``
+models gloo's reduce-scatter, which costs a full all-reduce. The hierarchical plan's inter-node stage
+moves (N-1)/N of the gradient per node on either backend: on NCCL it is a ring reduce-scatter among
+the N node peers, on gloo an all-to-all of the peer chunks plus a local sum.
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 GBIT = 1e9 / 8  # bytes per second per Gbit/s
+ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node", "bound")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,12 @@ def inter_node_bytes_per_step(spec: ClusterSpec, engine: str, cached_fraction: f
     ga = spec.grad_accum
     backward_frozen = max(0.0, frozen - spec.params * spec.no_backward_fraction * spec.dtype_bytes)
     rs = ga * _reduce_scatter(spec, t)
+    peers = (spec.nodes - 1) * t  # one exchange among node peers: (N-1)/N of t per node uplink
+    if engine == "bound":
+        return {"allgather": peers, "reduce_scatter": peers, "total": 2 * peers}
+    if engine == "fcdp_node":
+        rs = peers if spec.nodes > 1 and spec.ranks_per_node > 1 else rs  # degenerate layouts: flat
+        engine = "fcdp"
     if engine == "zero3":
         fwd = ga * _ring_allgather(spec, m)
         bwd = ga * _ring_allgather(spec, t + backward_frozen) if spec.regime == "large" else 0.0
@@ -104,15 +119,20 @@ def plan(spec: ClusterSpec) -> dict:
     device_total = spec.device_mem_gb * 1e9
     device_used = (spec.device_used_gb * 1e9) if spec.device_used_gb is not None else 0.8 * device_total
     headroom = max(0.0, device_total - device_used)
+    grad_buffer_per_node = spec.params * spec.trainable_fraction * 4  # fp32, 1/L of the trainable per rank
     out: dict = {"spec": asdict(spec), "engines": {}}
-    for engine in ("zero3", "hpz", "fcdp"):
-        nbytes = inter_node_bytes_per_step(spec, engine, cached_fraction if engine == "fcdp" else 1.0)
+    for engine in ENGINES:
+        cached = engine in ("fcdp", "fcdp_node")
+        nbytes = inter_node_bytes_per_step(spec, engine, cached_fraction if cached else 1.0)
         per_uplink = nbytes["total"] / spec.nodes if spec.nodes > 1 else 0.0
         inter_s = per_uplink / (spec.inter_gbps * GBIT)
         # cache-served gathers: frozen every fetch (fwd+bwd), trainable all but the first forward
-        cached_fetch_bytes = (2 * ga * (m - t) + (2 * ga - 1) * t) if engine != "zero3" else 0.0
-        intra_s = cached_fetch_bytes * (L - 1) / L / (spec.intra_gbps * GBIT) if engine != "zero3" else 0.0
-        pcie_s = (cached_fetch_bytes / L + t / L) / (spec.pcie_gbps * GBIT) if engine == "fcdp" else 0.0
+        cached_fetch_bytes = (2 * ga * (m - t) + (2 * ga - 1) * t) if engine not in ("zero3", "bound") else 0.0
+        intra_s = cached_fetch_bytes * (L - 1) / L / (spec.intra_gbps * GBIT)
+        pcie_s = (cached_fetch_bytes / L + t / L) / (spec.pcie_gbps * GBIT) if cached else 0.0
+        if engine == "fcdp_node":  # stage 1 inside the node every micro-step, the fp32 buffer over PCIe
+            intra_s += ga * t * (L - 1) / L / (spec.intra_gbps * GBIT)
+            pcie_s += ga * grad_buffer_per_node / L / (spec.pcie_gbps * GBIT)
         bound = max(inter_s, intra_s, pcie_s, spec.compute_s * ga)
         device_extra = slice_per_rank if engine == "hpz" else 0.0
         out["engines"][engine] = {
@@ -121,7 +141,8 @@ def plan(spec: ClusterSpec) -> dict:
             "inter_node_reduce_scatter_bytes_per_step": nbytes["reduce_scatter"],
             "inter_node_seconds": inter_s, "intra_node_seconds": intra_s, "pcie_seconds": pcie_s,
             "step_time_lower_bound_s": bound,
-            "cache_host_bytes_per_node": host_per_node * cached_fraction if engine == "fcdp" else 0.0,
+            "cache_host_bytes_per_node": host_per_node * cached_fraction if cached else 0.0,
+            "grad_buffer_host_bytes_per_node": grad_buffer_per_node if engine == "fcdp_node" and ga > 1 else 0.0,
             "cache_device_bytes_per_rank": device_extra,
             "device_fits": device_extra <= headroom,
         }
@@ -129,6 +150,12 @@ def plan(spec: ClusterSpec) -> dict:
     if slice_per_rank <= 0.5 * headroom:
         block["cache_device"] = "auto"  # spare accelerator memory can hold the slices after step 1
     block["host_budget"] = f"{math.ceil(min(host_per_node * 1.05, host_budget) / 2**30)}GiB"
+    if spec.nodes > 1 and L > 1:
+        # the gradient's inter-node bytes drop to (N-1)/N per node; with accumulation, once per step
+        block["grad_reduce"] = "hierarchical"
+        if ga > 1 and host_per_node * cached_fraction + grad_buffer_per_node <= host_budget:
+            block["grad_accumulation"] = "node"
+            block["grad_buffer_budget"] = f"{math.ceil(grad_buffer_per_node * 1.05 / 2**30)}GiB"
     out["recommended_fcdp_block"] = block
     out["cached_fraction"] = cached_fraction
     return out
@@ -154,15 +181,17 @@ def format_plan(result: dict) -> str:
     lines = [f"{s['params'] / 1e9:.2f}B params ({s['dtype_bytes']} B each), {s['nodes']} nodes x {s['ranks_per_node']} "
              f"ranks, trainable {s['trainable_fraction']:.2%}, GA {s['grad_accum']}, inter-node {s['inter_gbps']:g} "
              f"Gbit/s per node, {s['backend']} collectives, {s['regime']} release regime", "",
-             f"{'engine':<7} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'all-gather vs ZeRO-3':>21} {'step >= (s)':>12} "
+             f"{'engine':<9} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'all-gather vs ZeRO-3':>21} {'step >= (s)':>12} "
              f"{'host cache/node':>16} {'extra device/rank':>18}"]
     base = result["engines"]["zero3"]["inter_node_bytes_per_step"] or 1.0
     base_ag = result["engines"]["zero3"]["inter_node_allgather_bytes_per_step"] or 1.0
     for name, e in result["engines"].items():
-        lines.append(f"{name:<7} {_gb(e['inter_node_bytes_per_step']):>16} {e['inter_node_bytes_per_step'] / base:>10.4f} "
+        lines.append(f"{name:<9} {_gb(e['inter_node_bytes_per_step']):>16} {e['inter_node_bytes_per_step'] / base:>10.4f} "
                      f"{e['inter_node_allgather_bytes_per_step'] / base_ag:>21.4f} "
                      f"{e['step_time_lower_bound_s']:>12.3f} {_gb(e['cache_host_bytes_per_node']):>16} "
                      f"{_gb(e['cache_device_bytes_per_rank']):>18}{'' if e['device_fits'] else '  (exceeds headroom)'}")
+    lines.append("\nfcdp: node cache, DeepSpeed's gradient path; fcdp_node: plus grad_reduce hierarchical and "
+                 "grad_accumulation node; bound: changed parameters in once, gradient out once per node and step")
     if result["cached_fraction"] < 1.0:
         lines.append(f"\nhost RAM holds {result['cached_fraction']:.0%} of the cache; the rest runs as plain ZeRO-3.")
     lines += ["", "recommended block:", json.dumps({"fcdp": result["recommended_fcdp_block"]})]

@@ -118,15 +118,11 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
         reducer = self.fcdp_grads
         if not reducer.buffer.dirty:
             return
-        world = reducer.layout.dp_size
+        # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
+        # DeepSpeed 0.19.8 refuses with reduce_scatter, the only path the reducer serves) and for expert-parallel
+        # groups (not the DP group, so never buffered): the flushed sums are final as they are.
         with get_accelerator().stream(self.reduce_and_partition_stream):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
-                # The scaling __avg_scatter_grads applies after its reduce-scatter (DeepSpeed 0.19.8 stage3.py).
-                if self.postscale_gradients and self.gradient_predivide_factor not in (1.0, world):
-                    parts = [g.mul(self.gradient_predivide_factor) for g in parts]
-                averaging = self._gradient_averaging_world_size(params, world)
-                if averaging != world:
-                    parts = [g.mul(world / float(averaging)) for g in parts]
                 self.partition_grads(params, parts)
         if not get_accelerator().resolves_data_dependency():
             self.reduce_and_partition_stream.synchronize()
