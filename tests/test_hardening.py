@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import TESTS_DIR, run_ranks
-from fcdp_deepspeed.cluster import PREFIX, namespaces_available
-from fcdp_deepspeed.launch import RankFailure
+from fcdp_deepspeed.tools.cluster import PREFIX, namespaces_available
+from fcdp_deepspeed.tools.launch import RankFailure
 
 
 # -- faults -----------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def test_sigterm_during_a_run_leaves_nothing_behind(tmp_path):
     script = tmp_path / "interrupt.py"
     script.write_text(f"""
 import sys; sys.path.insert(0, {TESTS_DIR!r})
-from fcdp_deepspeed.launch import run_local
+from fcdp_deepspeed.tools.launch import run_local
 run_local("dist_workers:sleeper", 2, {{}}, timeout=120, pythonpath=[{TESTS_DIR!r}])
 """)
     before_tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), "fcdp-run-*")))
@@ -82,7 +82,7 @@ def test_sigterm_removes_emulated_cluster(tmp_path):
     script = tmp_path / "cluster.py"
     script.write_text("""
 import time
-from fcdp_deepspeed.cluster import EmulatedCluster
+from fcdp_deepspeed.tools.cluster import EmulatedCluster
 with EmulatedCluster(2, rate_mbit=100, tag="s"):
     print("up", flush=True)
     time.sleep(120)
@@ -171,7 +171,7 @@ def test_ranks_per_node_not_dividing_the_world():
 
 
 def test_non_uniform_nodes(monkeypatch):
-    from fcdp_deepspeed.launch import run_local
+    from fcdp_deepspeed.tools.launch import run_local
     from conftest import TESTS_DIR as tests_dir
     rank_env = {r: {"FCDP_NODE_ID": "a" if r < 3 else "b"} for r in range(4)}
     res = run_local("dist_workers:topology_error", 4, {}, timeout=240, pythonpath=[tests_dir], rank_env=rank_env)

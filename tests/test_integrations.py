@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ranks
-from fcdp_deepspeed.launch import free_port
+from fcdp_deepspeed.tools.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train_toy.py")

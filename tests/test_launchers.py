@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from conftest import TESTS_DIR
-from fcdp_deepspeed.launch import free_port
+from fcdp_deepspeed.tools.launch import free_port
 
 
 def test_two_torchrun_agents_give_the_node_layout():
@@ -23,7 +23,7 @@ def test_two_torchrun_agents_give_the_node_layout():
     agents = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                           "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-                          "-m", "fcdp_deepspeed._worker", "dist_workers:launcher_parity", str(workdir)],
+                          "-m", "fcdp_deepspeed.tools._worker", "dist_workers:launcher_parity", str(workdir)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         for n in (0, 1)
     ]

@@ -1,7 +1,7 @@
 """Demo: train a toy model with plain ZeRO-3 and with FCDP on 4 CPU ranks (2 simulated nodes x 2)
 and print the inter-node all-gather bytes of each.
 
-    python -m fcdp_deepspeed.demo [--steps 5] [--hidden 256]
+    python -m fcdp_deepspeed.tools.demo [--steps 5] [--hidden 256]
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from fcdp_deepspeed.launch import run_local
+from fcdp_deepspeed.tools.launch import run_local
 
 
 def rank_main(steps: int, hidden: int, layers: int) -> dict:
@@ -17,7 +17,7 @@ def rank_main(steps: int, hidden: int, layers: int) -> dict:
     from deepspeed import comm as dist
 
     import fcdp_deepspeed
-    from fcdp_deepspeed import toy
+    from fcdp_deepspeed.tools import toy
 
     deepspeed.init_distributed(dist_backend="gloo")
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=2)
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(f"Training a {args.layers}-layer toy model on 4 CPU ranks = 2 simulated nodes x 2 ranks "
           f"(large-model release regime), {args.steps} steps each ...", flush=True)
-    res = run_local("fcdp_deepspeed.demo:rank_main", 4, dict(steps=args.steps, hidden=args.hidden, layers=args.layers),
-                    timeout=900)[0]
+    res = run_local("fcdp_deepspeed.tools.demo:rank_main", 4,
+                    dict(steps=args.steps, hidden=args.hidden, layers=args.layers), timeout=900)[0]
     print(f"\n{'job':<20} {'engine':<8} {'inter-node allgather/step':>26} {'vs ZeRO-3':>10} {'same losses+weights':>20}")
     for job in ("full fine-tune", "LoRA (frozen base)"):
         base = res[(job, "ZeRO-3")]

@@ -73,7 +73,7 @@ def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, An
 
     Rank r gets RANK/LOCAL_RANK=r, WORLD_SIZE, MASTER_ADDR/PORT on loopback, DS_ACCELERATOR=cpu
     (unless set) and OMP_NUM_THREADS=1, plus ``env`` and ``rank_env[r]``. With an
-    :class:`~fcdp_deepspeed.cluster.EmulatedCluster`, rank r runs inside node r // (world/nodes),
+    :class:`~fcdp_deepspeed.tools.cluster.EmulatedCluster`, rank r runs inside node r // (world/nodes),
     rendezvous at node 0's address and gloo binds to the node's uplink address.
     """
     with sigterm_raises():
@@ -102,7 +102,7 @@ def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, c
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
             log = open(workdir / f"rank{r}.log", "wb")
-            argv = [sys.executable, "-m", "fcdp_deepspeed._worker", target, str(workdir)]
+            argv = [sys.executable, "-m", "fcdp_deepspeed.tools._worker", target, str(workdir)]
             if cluster is not None:
                 procs.append(cluster.popen(r // per_node, argv, env=e, stdout=log, stderr=subprocess.STDOUT))
             else:

@@ -1,10 +1,10 @@
 """Side-by-side benchmark on an emulated commodity cluster: ZeRO-3, ZeRO++ hpZ and FCDP.
 
     fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--out results/bench]
-    python -m fcdp_deepspeed.bench ...      # same
+    python -m fcdp_deepspeed.tools.bench ...      # same
 
-Every bandwidth is a fresh :class:`~fcdp_deepspeed.cluster.EmulatedCluster` (2 nodes x 2 ranks by
-default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
+Every bandwidth is a fresh :class:`~fcdp_deepspeed.tools.cluster.EmulatedCluster` (2 nodes x 2 ranks
+by default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
 (full fine-tune, LoRA) the three engines train the same model on the same data, each in fresh
 processes (an engine measured after another one in the same process ran 2-3% slower, whichever it
 was, and peak memory would mix engines), ``--repeats`` times in interleaved order; the step time
@@ -72,8 +72,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     from deepspeed.utils import groups
 
     import fcdp_deepspeed
-    from fcdp_deepspeed import toy
-    from fcdp_deepspeed.cluster import HEADER_BYTES
+    from fcdp_deepspeed.tools import toy
+    from fcdp_deepspeed.tools.cluster import HEADER_BYTES
     from fcdp_deepspeed.stats import LEDGER
 
     s = BenchSpec(**spec)
@@ -170,8 +170,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dict]:
-    from fcdp_deepspeed.cluster import EmulatedCluster
-    from fcdp_deepspeed.launch import run_local
+    from fcdp_deepspeed.tools.cluster import EmulatedCluster
+    from fcdp_deepspeed.tools.launch import run_local
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -185,7 +185,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
             bar.update(f"{_rate_label(rate)}, {job}, {engine} (repeat {rep + 1}/{spec.repeats})")
             one = asdict(spec) | {"engines": [engine]}
             with EmulatedCluster(spec.nodes, rate_mbit=rate or None, tag="b") as cluster:
-                record = run_local("fcdp_deepspeed.bench:rank_main", spec.nodes * spec.ranks_per_node,
+                record = run_local("fcdp_deepspeed.tools.bench:rank_main", spec.nodes * spec.ranks_per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
             runs.setdefault((rate, job, engine), []).append(record)
             bar.advance()
@@ -324,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      micro_batch=args.micro_batch, grad_accum=args.grad_accum, warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
                      regime=args.regime)
-    from fcdp_deepspeed.cluster import ClusterUnavailable
+    from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         rows = run_bench(spec, Path(args.out), progress=not args.no_progress)
     except ClusterUnavailable as err:

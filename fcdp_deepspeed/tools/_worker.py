@@ -1,4 +1,4 @@
-"""Entry point of one rank started by :func:`fcdp_deepspeed.launch.run_local`."""
+"""Entry point of one rank started by :func:`fcdp_deepspeed.tools.launch.run_local`."""
 from __future__ import annotations
 
 import importlib

@@ -5,9 +5,9 @@ import sys
 from typing import Optional
 
 COMMANDS = {
-    "bench": ("fcdp_deepspeed.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
-    "plan": ("fcdp_deepspeed.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
-    "demo": ("fcdp_deepspeed.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
+    "bench": ("fcdp_deepspeed.tools.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
+    "plan": ("fcdp_deepspeed.tools.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
+    "demo": ("fcdp_deepspeed.tools.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
 }
 
 
