@@ -34,6 +34,10 @@ def core_modules() -> dict[str, Path]:
             if name != TOOLS and not name.startswith(TOOLS + ".") and name not in ALIASES}
 
 
+def _called_name(call: ast.Call) -> str | None:
+    return getattr(call.func, "attr", getattr(call.func, "id", None))
+
+
 def imported_names(path: Path, module: str) -> set[str]:
     """Modules a file may import: ``import a.b``, ``from a import b`` (``a`` and ``a.b``: ``b`` may be a
     submodule), relative imports resolved, and ``import_module("...")`` with a literal name."""
@@ -49,9 +53,9 @@ def imported_names(path: Path, module: str) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            names.add(node.args[0].value)
+        elif isinstance(node, ast.Call) and _called_name(node) == "import_module" and node.args:
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
     return names
 
 
