@@ -20,5 +20,5 @@ setup(
         "bench": ["matplotlib", "rich"],
         "hf": ["transformers", "peft", "accelerate"],
     },
-    entry_points={"console_scripts": ["fcdp=fcdp_deepspeed.cli:main"]},
+    entry_points={"console_scripts": ["fcdp=fcdp_deepspeed.tools.cli:main"]},
 )

@@ -1,26 +1,4 @@
-"""The ``fcdp`` command: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``."""
-from __future__ import annotations
+"""Moved to :mod:`fcdp_deepspeed.tools.cli`; this old path stays an alias of it."""
+from fcdp_deepspeed.tools._alias import alias
 
-import sys
-from typing import Optional
-
-COMMANDS = {
-    "bench": ("fcdp_deepspeed.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
-    "plan": ("fcdp_deepspeed.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
-    "demo": ("fcdp_deepspeed.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
-}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print("usage: fcdp {bench,plan,demo} [options]\n")
-        for name, (_, help_) in COMMANDS.items():
-            print(f"  {name:<6} {help_}")
-        return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
-    import importlib
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+alias(__name__, "fcdp_deepspeed.tools.cli")

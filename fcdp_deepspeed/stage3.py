@@ -13,7 +13,7 @@ Invalidation events (every path that writes a parameter's bit16 value):
 - ``checkpoint_event_epilogue`` (load/save checkpoint, 16-bit consolidation): everything, frozen
   params included (``load_checkpoint`` writes frozen partitions directly; hpZ misses that);
 - ``partition(has_been_updated=True)`` (``GatheredParameters(modifier_rank=...)``): refreshed in
-  place by the cache's partition hook (``runtime._SecondaryHook``).
+  place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
 Gradients (``grad_reduce``/``grad_accumulation``, see ``grads.py``): DeepSpeed's bucket reduction

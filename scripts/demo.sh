@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export DS_ACCELERATOR=cpu
-python -m fcdp_deepspeed.demo "$@"
+python -m fcdp_deepspeed.tools.demo "$@"

@@ -28,7 +28,7 @@ def rank_main(hidden: int, layers: int, steps: int) -> dict:
     from deepspeed.accelerator import get_accelerator
 
     import fcdp_deepspeed
-    from fcdp_deepspeed import toy
+    from fcdp_deepspeed.tools import toy
 
     deepspeed.init_distributed(dist_backend="gloo")
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=2)
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    from fcdp_deepspeed.launch import run_local
+    from fcdp_deepspeed.tools.launch import run_local
     results = run_local("gpu_check:rank_main", 4, dict(hidden=args.hidden, layers=args.layers, steps=args.steps),
                         timeout=450, env={"DS_ACCELERATOR": "cuda"}, pythonpath=[HERE])
     ok = True

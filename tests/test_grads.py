@@ -16,12 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TESTS_DIR
-
-
-def run_ranks(func: str, world_size: int, timeout: float, **kwargs):
-    from fcdp_deepspeed.launch import run_local
-    return run_local(f"grad_workers:{func}", world_size, kwargs, timeout=timeout, pythonpath=[TESTS_DIR])
+from conftest import run_ranks
 
 FACTOR = 2.0
 UNIT_ROUNDOFF = 2.0**-24
@@ -58,12 +53,12 @@ def check_bound(per_rank: list[dict], name: str, mode: str) -> float:
 
 @pytest.fixture(scope="module")
 def errors_2x2():
-    return run_ranks("error_bounds", 4, timeout=900, scenarios=ERROR_SCENARIOS, ranks_per_node=2)
+    return run_ranks("grads:error_bounds", 4, timeout=900, scenarios=ERROR_SCENARIOS, ranks_per_node=2)
 
 
 @pytest.fixture(scope="module")
 def errors_2x4():
-    return run_ranks("error_bounds", 8, timeout=900, scenarios=ERROR_SCENARIOS[:3], ranks_per_node=4)
+    return run_ranks("grads:error_bounds", 8, timeout=900, scenarios=ERROR_SCENARIOS[:3], ranks_per_node=4)
 
 
 @pytest.mark.parametrize("name, mode", CHECKED)
@@ -91,7 +86,7 @@ def test_partitions_within_zero3_error_2x4(errors_2x4, name, mode):
 @pytest.mark.parametrize("break_kind, mode", [("wrong_peers", "hier"), ("drop_buffer", "node")])
 def test_broken_plans_fail_the_bound(break_kind, mode):
     """The bound can fail: pairing the wrong peers, or dropping the accumulated window at the boundary."""
-    per_rank = run_ranks("error_bounds", 4, timeout=600, scenarios=[ERROR_SCENARIOS[1]],
+    per_rank = run_ranks("grads:error_bounds", 4, timeout=600, scenarios=[ERROR_SCENARIOS[1]],
                          ranks_per_node=2, break_kind=break_kind)
     with pytest.raises(AssertionError, match="error"):
         check_bound(per_rank, "ga4", mode)
@@ -129,7 +124,7 @@ IDENTICAL = [
 
 @pytest.fixture(scope="module")
 def parity_2x2():
-    return run_ranks("parity", 4, timeout=1500, scenarios=PARITY + BF16 + IDENTICAL)
+    return run_ranks("grads:parity", 4, timeout=1500, scenarios=PARITY + BF16 + IDENTICAL)
 
 
 def assert_close(plain, fcdp, rtol: float) -> None:
@@ -215,7 +210,7 @@ def test_buffer_over_budget_falls_back_per_parameter(parity_2x2):
 
 
 def test_checkpoint_at_step_boundary_resumes(tmp_path):
-    per_rank = run_ranks("checkpoint_resume", 4, timeout=600, ckpt_dir=str(tmp_path))
+    per_rank = run_ranks("grads:checkpoint_resume", 4, timeout=600, ckpt_dir=str(tmp_path))
     for out in per_rank:
         assert out["node_loads"] == out["continued"]
         assert all(abs(a - b) <= RTOL * abs(a) for a, b in zip(out["zero3_loads"], out["continued"]))

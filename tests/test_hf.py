@@ -19,7 +19,8 @@ FULL_CFG = os.path.join(CONFIGS, "hf_full_fcdp.json")
 
 def _pair(runner: str, use_peft: bool, cfg: str, steps: int = 4):
     kw = dict(steps=steps, ranks_per_node=2, runner=runner, use_peft=use_peft, ds_config=cfg)
-    return run_ranks("hf_run", 4, timeout=600, fcdp=False, **kw), run_ranks("hf_run", 4, timeout=600, fcdp=True, **kw)
+    return (run_ranks("hf:hf_run", 4, timeout=600, fcdp=False, **kw),
+            run_ranks("hf:hf_run", 4, timeout=600, fcdp=True, **kw))
 
 
 def _per_step(rec):

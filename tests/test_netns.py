@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.cluster import EmulatedCluster, namespaces_available
-from fcdp_deepspeed.launch import free_port
+from fcdp_deepspeed.tools.cluster import EmulatedCluster, namespaces_available
+from fcdp_deepspeed.tools.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OK, WHY = namespaces_available()

@@ -1,11 +1,14 @@
 """FCDP vs plain ZeRO-3 on 4 gloo ranks simulated as 2 nodes x 2: same losses, same weights,
-and the traffic FCDP promises (backward fetches stay inside a node)."""
+and the traffic FCDP promises (backward fetches stay inside a node); edge parameters and
+prefetch concurrency on the fetch path."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import run_ranks
+from fcdp_deepspeed.tools.launch import RankFailure
+
 
 SCENARIOS = [
     dict(name="large"),  # every parameter released after use: backward re-gathers everything
@@ -15,12 +18,14 @@ SCENARIOS = [
     dict(name="zero_init", zero_init=True),  # model built under deepspeed.zero.Init(config_dict_or_path=cfg)
     dict(name="bf16", dtype="bf16"),
 ]
+
+
 NAMES = [s["name"] for s in SCENARIOS]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks("parity", 4, timeout=600, scenarios=SCENARIOS)
+    return run_ranks("parity:parity", 4, timeout=600, scenarios=SCENARIOS)
 
 
 def step_deltas(run, key):
@@ -87,3 +92,39 @@ def test_checkpoint_recompute_hits_cache(results):
     fcdp, plain = results[0]["ckpt"]["fcdp"], results[0]["ckpt"]["plain"]
     assert all(b == 0 for b in phase_bytes(fcdp, "backward", "inter_node_allgather_bytes"))
     assert fcdp.stats["inter_node_allgather_bytes"] < 0.4 * plain.stats["inter_node_allgather_bytes"]
+
+
+# -- edge parameters -------------------------------------------------------------------------------
+@pytest.mark.parametrize("threshold, dtype", [(0, "fp32"), (100, "fp32"), (0, "bf16")])
+def test_edge_parameters(threshold, dtype):
+    """Tiny (< L elements), not divisible by L, tied, reused, external, persistent, bf16."""
+    res = run_ranks("parity:edge_parameters", 4, persistence_threshold=threshold, dtype=dtype)
+    for r in res:
+        assert r["fcdp"].losses == r["plain"].losses
+        stats = r["fcdp"].stats
+        assert stats["cache_hits"] > 0
+        if threshold:
+            assert stats["uncached_reasons"].get("persistent (stage3_param_persistence_threshold)", 0) > 0
+    plain, fcdp = res[0]["plain"].weights, res[0]["fcdp"].weights
+    assert all(torch.equal(plain[k], fcdp[k]) for k in plain)
+
+
+def test_zero_size_parameters_work_with_fcdp():
+    """Plain ZeRO-3 (0.19.8) crashes gathering a zero-size parameter (torch.cat of no partitions);
+    FCDP engines materialise such parameters locally and train."""
+    with pytest.raises(RankFailure, match="expected a non-empty list of Tensors"):
+        run_ranks("parity:edge_parameters", 4, zero_size=True, modes=("plain", ))
+    res = run_ranks("parity:edge_parameters", 4, zero_size=True, modes=("fcdp", ))
+    losses = res[0]["fcdp"].losses
+    assert len(losses) == 4 and all(l == l for l in losses)  # finite, trained
+    reference = run_ranks("parity:edge_parameters", 4, modes=("plain", ))  # the same model without it
+    assert losses == reference[0]["plain"].losses  # the empty parameter adds exactly 0
+
+
+# -- concurrency -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_prefetch_overlapping_cache_refills_many_steps():
+    for r in run_ranks("parity:prefetch_soak", 4, timeout=600, steps=20):
+        for name in ("prefetch_release", "deepspeed_defaults_lora"):
+            assert r[name]["fcdp"] == r[name]["plain"], name
+            assert r[name]["stats"]["cache_hits"] > 0

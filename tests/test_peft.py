@@ -1,8 +1,6 @@
 """PEFT (frozen base + trainable adapters): frozen slices stay cached across optimizer steps, so
-after the first step only the adapters cross nodes; and every value-changing event invalidates."""
+after the first step only the adapters cross nodes."""
 from __future__ import annotations
-
-import tempfile
 
 import pytest
 import torch
@@ -28,12 +26,12 @@ def forward_phase_bytes(run, key="inter_node_allgather_bytes"):
 
 @pytest.fixture(scope="module")
 def lora():
-    return run_ranks("peft_traffic", 4, steps=4, grad_accum=1)
+    return run_ranks("peft:peft_traffic", 4, steps=4, grad_accum=1)
 
 
 @pytest.fixture(scope="module")
 def lora_ga4():
-    return run_ranks("peft_traffic", 4, steps=3, grad_accum=4)
+    return run_ranks("peft:peft_traffic", 4, steps=3, grad_accum=4)
 
 
 def test_lora_losses_and_adapters_identical(lora, lora_ga4):
@@ -76,34 +74,3 @@ def test_eval_between_steps_hits_the_cache(lora):
         # first eval after a step: only the adapters changed, so only they cross nodes
         assert 0 < fcdp[0]["inter"] < 0.01 * plain[0]["inter"]
         assert fcdp[1]["inter"] == 0 and plain[1]["inter"] == plain[0]["inter"] > 0
-
-
-@pytest.fixture(scope="module")
-def events():
-    with tempfile.TemporaryDirectory() as ckpt_dir:
-        yield run_ranks("invalidation_events", 4, ckpt_dir=ckpt_dir)
-
-
-@pytest.mark.parametrize("key", ["warm", "warm_fwd", "after_edit_fwd", "after_edit_train", "after_load_fwd",
-                                 "after_load_train", "after_16bit_train", "after_unfreeze_train",
-                                 "after_freeze_train", "unfrozen_changed"])
-def test_every_event_matches_plain_zero3(events, key):
-    for r in events:
-        plain, fcdp = r["plain"][key], r["fcdp"][key]
-        assert torch.equal(plain, fcdp) if isinstance(plain, torch.Tensor) else plain == fcdp
-
-
-def test_load_checkpoint_restores_frozen_and_trainable(events):
-    for r in events:
-        # the FCDP engine's next forward after load equals a fresh ZeRO-3 engine loading the same checkpoint
-        assert torch.equal(r["fcdp"]["after_load_fwd"], r["fcdp"]["fresh_load_fwd"])
-        # ... and the load really changed something (the frozen edit was undone)
-        assert not torch.equal(r["fcdp"]["after_load_fwd"], r["fcdp"]["after_edit_fwd"])
-
-
-def test_event_counters(events):
-    stats = events[0]["fcdp"]["stats"]
-    assert stats["cache_refreshes"] >= 1  # GatheredParameters(modifier_rank=0) refreshed a cached slice
-    assert stats["invalidations"]["checkpoint"] > 0 and stats["invalidations"]["optimizer_write"] > 0
-    assert torch.equal(events[0]["plain"]["weights"]["blocks.0.fc.weight"],
-                       events[0]["fcdp"]["weights"]["blocks.0.fc.weight"])

@@ -1,17 +1,32 @@
-"""Cache placement: host / device / auto, budgets, the pooled (pinned) host buffer."""
+"""Cache placement: the pure policy, host / device / auto, budgets, the pooled (pinned) host buffer,
+and pool allocations that fail (degrade to plain ZeRO-3 without changing a loss)."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import run_ranks
+from fcdp_deepspeed.cache import Placement
+from fcdp_deepspeed.placement import SlotRequest, plan_placement
+
 
 #: Per node; half of it per rank (L = 2). The toy model's slices need 12672 bytes per rank.
 SMALL_BUDGET = 2 * 6000
 
 
+# -- policy ----------------------------------------------------------------------------------------
+def test_placement_prefers_frozen_and_respects_budgets():
+    reqs = [SlotRequest(0, 100, frozen=False), SlotRequest(1, 100, frozen=True), SlotRequest(2, 100, frozen=True)]
+    plan = plan_placement(reqs, "device", host_budget=100, device_budget=100)
+    assert plan == {1: Placement.DEVICE, 2: Placement.HOST, 0: None}
+    plan = plan_placement(reqs, "host", host_budget=250, device_budget=10**9)
+    assert plan == {1: Placement.HOST, 2: Placement.HOST, 0: None}
+    assert all(v is Placement.HOST for v in plan_placement(reqs, "auto", 10**9, 10**9).values())
+
+
+# -- modes and budgets -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def modes():
-    return run_ranks("placement_modes", 4, steps=5, host_budget_bytes=SMALL_BUDGET)
+    return run_ranks("placement:placement_modes", 4, steps=5, host_budget_bytes=SMALL_BUDGET)
 
 
 @pytest.mark.parametrize("mode", ["host", "device", "auto", "small_budget"])
@@ -54,3 +69,23 @@ def test_small_host_budget_caches_only_what_fits(modes):
     warnings = modes[0]["small_budget"].extra["log"]
     assert len(warnings) == 1 and "fcdp.host_budget" in warnings[0] and "do not fit" in warnings[0]
     assert all(not r["small_budget"].extra["log"] for r in modes[1:])  # one warning, from rank 0
+
+
+# -- allocation faults -----------------------------------------------------------------------------
+def test_allocation_failure_on_one_rank_degrades_those_parameters_everywhere(monkeypatch):
+    # rank 1's 2nd host chunk fails: its parameters go plain ZeRO-3 on all ranks (hit/miss must agree)
+    monkeypatch.setenv("FCDP_INJECT_FAULT", "alloc_host@1:2")
+    res = run_ranks("placement:degraded_allocation", 4)
+    for r in res:
+        assert r["fcdp"] == r["plain"]
+        stats = r["stats"]
+        assert 0 < stats["uncached_params"] < stats["uncached_params"] + stats["cached_params"]
+        assert stats["cache_hits"] > 0 and stats["uncached_fetches"] > 0
+    warnings = [m for m in res[0]["log"] if "allocation failed" in m]
+    assert len(warnings) == 1 and "plain ZeRO-3 path on every rank" in warnings[0]
+
+
+def test_allocation_failure_everywhere_runs_plain_zero3(monkeypatch):
+    monkeypatch.setenv("FCDP_INJECT_FAULT", "alloc_host")
+    for r in run_ranks("placement:degraded_allocation", 4):
+        assert r["fcdp"] == r["plain"] and r["stats"]["cached_params"] == 0 and r["stats"]["cache_hits"] == 0

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.cluster import namespaces_available
-from fcdp_deepspeed.planner import ClusterSpec, inter_node_bytes_per_step, main, parse_count, plan
+from fcdp_deepspeed.tools.cluster import namespaces_available
+from fcdp_deepspeed.tools.planner import ClusterSpec, inter_node_bytes_per_step, main, parse_count, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OK, WHY = namespaces_available()
@@ -69,7 +69,7 @@ def test_committed_benchmark_run_matches_planner():
 @pytest.mark.slow
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
 def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
-    from fcdp_deepspeed.bench import BenchSpec, run_bench
+    from fcdp_deepspeed.tools.bench import BenchSpec, run_bench
     # adapters large enough that payload, not gloo's per-message protocol bytes, dominates (as in real LoRA)
     spec = BenchSpec(rates_mbit=[0], hidden=512, layers=4, lora_rank=8, warmup=2, steps=2, repeats=1, timeout_s=400)
     rows = run_bench(spec, tmp_path, progress=False)

@@ -1,13 +1,24 @@
-"""Pure layout logic: node identity from launcher environments, node ∩ DP groups, placement."""
+"""Node layout: node identity from launcher environments, node ∩ DP groups, real launchers, bad
+layouts, and a Megatron-style layout where ZeRO's DP group is a strict subgroup of the world."""
 from __future__ import annotations
 
-import pytest
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-from fcdp_deepspeed.cache import Placement
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
+import pytest
+import torch
+
+from conftest import TESTS_DIR, run_ranks, worker_target
+from fcdp_deepspeed.tools.launch import free_port
 from fcdp_deepspeed.topology import TopologyError, derive_node_groups, node_identity_from_env
 
 
+# -- pure layout logic -----------------------------------------------------------------------------
 @pytest.mark.parametrize("env, expected_node, source", [
     ({"GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, "node1", "GROUP_RANK"),  # torchrun
     ({"CROSS_RANK": "3", "LOCAL_SIZE": "8"}, "node3", "CROSS_RANK"),  # deepspeed launcher
@@ -48,10 +59,62 @@ def test_non_uniform_nodes_rejected():
         derive_node_groups(nodes, [(0, 1, 2, 3)])
 
 
-def test_placement_prefers_frozen_and_respects_budgets():
-    reqs = [SlotRequest(0, 100, frozen=False), SlotRequest(1, 100, frozen=True), SlotRequest(2, 100, frozen=True)]
-    plan = plan_placement(reqs, "device", host_budget=100, device_budget=100)
-    assert plan == {1: Placement.DEVICE, 2: Placement.HOST, 0: None}
-    plan = plan_placement(reqs, "host", host_budget=250, device_budget=10**9)
-    assert plan == {1: Placement.HOST, 2: Placement.HOST, 0: None}
-    assert all(v is Placement.HOST for v in plan_placement(reqs, "auto", 10**9, 10**9).values())
+# -- real launchers (two torchrun agents = two nodes on one host) ----------------------------------
+def test_two_torchrun_agents_give_the_node_layout():
+    workdir = Path(tempfile.mkdtemp(prefix="fcdp-torchrun-"))
+    (workdir / "kwargs.pkl").write_bytes(pickle.dumps({}))
+    port = str(free_port())
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=TESTS_DIR, PYTHONWARNINGS="ignore::FutureWarning")
+    agents = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                          "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+                          "-m", "fcdp_deepspeed.tools._worker", worker_target("topology:launcher_parity"), str(workdir)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        for n in (0, 1)
+    ]
+    try:
+        logs = [a.communicate(timeout=300)[0].decode(errors="replace") for a in agents]
+        assert all(a.returncode == 0 for a in agents), "\n".join(log[-3000:] for log in logs)
+        results = [pickle.loads((workdir / f"rank{r}.pkl").read_bytes()) for r in range(4)]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+        shutil.rmtree(workdir, ignore_errors=True)
+    for r, res in enumerate(results):
+        assert res["env"]["GROUP_RANK"] == str(r // 2) and res["env"]["LOCAL_WORLD_SIZE"] == "2"
+        stats = res["fcdp"].stats
+        assert stats["node_ranks"] == ([0, 1] if r < 2 else [2, 3]) and stats["num_nodes"] == 2
+        assert res["fcdp"].losses == res["plain"].losses
+        assert stats["cache_hits"] > 0
+        assert stats["inter_node_allgather_bytes"] < 0.6 * res["plain"].stats["inter_node_allgather_bytes"]
+    plain_w, fcdp_w = results[0]["plain"].weights, results[0]["fcdp"].weights
+    assert all(torch.equal(plain_w[k], fcdp_w[k]) for k in plain_w)
+
+
+# -- bad layouts -----------------------------------------------------------------------------------
+def test_ranks_per_node_not_dividing_the_world():
+    for msg in run_ranks("topology:topology_error", 4, ranks_per_node=3):
+        assert msg.startswith("TopologyError") and "fcdp.ranks_per_node = 3 does not divide the world size 4" in msg
+
+
+def test_non_uniform_nodes(monkeypatch):
+    from fcdp_deepspeed.tools.launch import run_local
+    from conftest import TESTS_DIR as tests_dir
+    rank_env = {r: {"FCDP_NODE_ID": "a" if r < 3 else "b"} for r in range(4)}
+    res = run_local(worker_target("topology:topology_error"), 4, {}, timeout=240, pythonpath=[tests_dir], rank_env=rank_env)
+    for msg in res:
+        assert msg.startswith("TopologyError") and "non-uniform nodes" in msg and "'a': 3" in msg
+
+
+# -- Megatron-style DP subgroups -------------------------------------------------------------------
+@pytest.mark.slow
+def test_megatron_layout_tp2_on_2_nodes_x_4():
+    res = run_ranks("topology:megatron_layout", 8, timeout=600)
+    expected_node_groups = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3], 4: [4, 6], 5: [5, 7], 6: [4, 6], 7: [5, 7]}
+    for rank, r in enumerate(res):
+        assert r["fcdp"]["stats"]["node_ranks"] == expected_node_groups[rank]  # node ∩ DP, never TP peers
+        assert r["fcdp"]["losses"] == r["plain"]["losses"]
+        assert r["fcdp"]["stats"]["cache_hits"] > 0
+    # The layout is a real trap: hpZ's contiguous blocks pair TP peers and training diverges.
+    assert any(r["hpz"].get("losses") != r["plain"]["losses"] for r in res)

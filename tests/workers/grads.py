@@ -15,16 +15,10 @@ from deepspeed import comm as dist
 from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
-from fcdp_deepspeed import grads, toy
+from fcdp_deepspeed import grads
 from fcdp_deepspeed.grads import own_chunk_numel
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def setup(ranks_per_node: int) -> None:
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
-    fcdp_deepspeed.enable_comm_counting(ranks_per_node=ranks_per_node)
+from fcdp_deepspeed.tools import toy
+from workers.common import DTYPES, setup
 
 
 def sabotage(kind: str) -> None:

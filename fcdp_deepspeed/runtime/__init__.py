@@ -1,0 +1,105 @@
+"""Per-engine FCDP runtime: :class:`FCDPRuntime` attaches the node cache to one stage-3 engine.
+
+The stage-3 hook (``stage3.py``) holds one ``FCDPRuntime`` per engine and calls only its public
+methods. Each concern is one module here, with the state it owns in one dataclass:
+
+- ``attach.py`` (:class:`Attachment`: topology, cache entries, why the rest is uncached): which
+  parameters are cached, and DeepSpeed's hpZ path pointed at the node group and our storage
+  ([Note: how the cache plugs into DeepSpeed]);
+- ``allocation.py`` (:class:`Allocation`: uncached bytes, auto-mode promotion done): budgets, the
+  slots every rank agrees on, the move to the accelerator in ``auto`` mode;
+- ``fetch.py`` (:class:`FetchPath`: verify rate, per-entry hit counts): the gather wrappers, hit/miss
+  counting, verification, zero-size parameters ([Note: threads]);
+- ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
+  each value-changing event drops;
+- ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
+
+Entry states and slots belong to :class:`~fcdp_deepspeed.cache.NodeCache`; counters to
+:mod:`fcdp_deepspeed.stats`. The gradient path (hierarchical reduction, node-local accumulation) is
+the next part: a module beside ``fetch.py`` that shares the topology and budgets, routed from
+``stage3.py``'s reduction hooks.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.monitor import latest_monitor
+from fcdp_deepspeed.runtime.allocation import Allocation
+from fcdp_deepspeed.runtime.attach import Attachment, attach
+from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
+from fcdp_deepspeed.runtime.invalidation import Invalidation
+from fcdp_deepspeed.runtime.report import Report
+from fcdp_deepspeed.stats import CacheCounters, CommCounters
+from fcdp_deepspeed.topology import Topology
+
+__all__ = ["FCDPRuntime", "StaleCacheError"]
+
+
+class FCDPRuntime:
+    """Everything FCDP holds for one engine; built by :meth:`activate`, driven by ``stage3.py``."""
+
+    def __init__(self, config: FCDPConfig, ds_config: Mapping[str, Any], module: torch.nn.Module, dp_group: Any,
+                 optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None) -> None:
+        self.config = config
+        self.module = module
+        self.dp_group = dp_group
+        self.optimizer_ids = frozenset(p.ds_id for p in optimizer_params if hasattr(p, "ds_id"))
+        self.param_names = dict(param_names or {})
+        spp = ds_config.get("steps_per_print")
+        self.steps_per_print = spp if isinstance(spp, int) and spp > 0 else None
+        #: Shared by the parts: cache events (hits, fills, invalidations, steps) and this engine's collectives.
+        self.counters = CacheCounters()
+        self.comm = CommCounters()
+        monitor = latest_monitor()  # the engine being built created it just before this optimizer
+        self.monitor = monitor if monitor is not None and monitor.enabled else None
+        # The parts, built by activate().
+        self.attachment: Optional[Attachment] = None
+        self.allocation: Optional[Allocation] = None
+        self.fetch: Optional[FetchPath] = None
+        self.invalidation: Optional[Invalidation] = None
+        self.report: Optional[Report] = None
+
+    @property
+    def topology(self) -> Optional[Topology]:
+        return self.attachment.topology if self.attachment is not None else None
+
+    @property
+    def cache(self) -> Optional[NodeCache]:
+        return self.attachment.cache if self.attachment is not None else None
+
+    def activate(self) -> "FCDPRuntime":
+        """Collective over the DP group: attach, allocate the agreed slots, wrap every gather."""
+        params = [p for p in self.module.parameters() if hasattr(p, "ds_id")]
+        self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
+        cache = self.attachment.cache
+        self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
+        self.allocation.plan_and_allocate()
+        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate)
+        for param in params:
+            self.fetch.wrap(param)
+        self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
+        self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.steps_per_print,
+                             self.monitor)
+        return self
+
+    # -- events (``stage3.py`` says which DeepSpeed event calls each) ---------------------------
+    def invalidate_params(self, params: Iterable[torch.nn.Parameter], reason: str) -> int:
+        return self.invalidation.params(params, reason)
+
+    def invalidate_changed(self) -> None:
+        self.invalidation.changed()
+
+    def flush(self, reason: str) -> None:
+        self.invalidation.flush(reason)
+
+    def on_step_end(self) -> None:
+        self.counters.bump(optimizer_steps=1)
+        self.allocation.on_step_end()
+        self.report.on_step_end()
+
+    def stats(self) -> dict:
+        return self.report.stats()

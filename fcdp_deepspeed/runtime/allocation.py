@@ -1,0 +1,122 @@
+"""Budgets and slots: which entries get a slot, in which pool, agreed across the data-parallel group.
+
+The policy is the pure :func:`~fcdp_deepspeed.placement.plan_placement`; this module resolves the
+budgets it is given, allocates the pools, and makes the *cached or not* outcome agree on every rank
+(hit/miss decides which collective runs). Placement itself may differ per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import logger
+
+from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.placement import SlotRequest, plan_placement
+from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.topology import Topology
+
+
+def _request(entry: CacheEntry) -> SlotRequest:
+    return SlotRequest(entry.param.ds_id, entry.nbytes, frozen=not entry.param.requires_grad)
+
+
+@dataclass(eq=False)
+class Allocation:
+    """One engine's slot allocation: planned once at activation, revisited once in ``auto`` mode."""
+
+    config: FCDPConfig
+    dp_group: Any
+    topology: Topology
+    cache: NodeCache
+    #: Per-rank bytes of the entries that got no slot (over budget, or allocation failed somewhere).
+    uncached_bytes: int = 0
+    #: ``auto`` mode: the first step boundary has moved what fits to the accelerator.
+    promoted: bool = False
+
+    def _budgets(self) -> tuple[int, int]:
+        topo = self.topology
+        host_node = self.config.host_budget_spec.resolve(psutil.virtual_memory().available, auto_fraction=0.5)
+        host = host_node // topo.ranks_per_node
+        device = 0
+        if self.config.cache_device == "device":
+            device = self.config.device_budget_spec.resolve(get_accelerator().available_memory(), auto_fraction=0.5)
+        return host, device
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Collective: a flag stays true only if it is true on every rank of the DP group."""
+        if not flags:
+            return []
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        t = t.to(get_accelerator().current_device_name())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return [bool(v) for v in t.cpu().tolist()]
+
+    def plan_and_allocate(self) -> None:
+        """Collective: place every entry within the budgets and reserve its slot; entries over budget
+        or whose slot failed on any rank are disabled on every rank (one warning each, rank 0)."""
+        cache = self.cache
+        entries = list(cache.entries.values())  # ds_id order: identical on every rank
+        host_budget, device_budget = self._budgets()
+        plan = plan_placement([_request(e) for e in entries], self.config.cache_device, host_budget, device_budget)
+        agreed = self._agree([plan[e.param.ds_id] is not None for e in entries])
+        over_budget = [e for e, ok in zip(entries, agreed) if not ok]
+        cache.disable(over_budget, "over budget")
+        pin = self.config.pin_memory
+        failed: list[CacheEntry] = []
+        for placement in Placement:
+            wanted = [e for e, ok in zip(entries, agreed) if ok and plan[e.param.ds_id] is placement]
+            if wanted:
+                pool = SlotPool(placement, pin=pin)
+                failed += pool.reserve(wanted)
+                cache.pools[placement] = pool
+        alloc_ok = self._agree([e not in failed and e.state is not EntryState.DISABLED for e in entries])
+        degraded = [e for e, ok in zip(entries, alloc_ok) if not ok and e.state is not EntryState.DISABLED]
+        cache.disable(degraded, "allocation failed")
+        for pool in cache.pools.values():
+            if pool is not None:
+                pool.release_unused(cache.entries.values())
+        self.uncached_bytes = sum(e.nbytes for e in over_budget + degraded)
+        if dist.get_rank() == 0:
+            if over_budget:
+                logger.warning(
+                    f"fcdp: {len(over_budget)} parameters ({fmt_bytes(self.uncached_bytes)} per rank) do not fit the "
+                    f"cache budget (host {fmt_bytes(host_budget)} per rank, device {fmt_bytes(device_budget)}) "
+                    f"and take the plain ZeRO-3 path. Raise fcdp.host_budget"
+                    f"{' or fcdp.device_budget' if self.config.cache_device == 'device' else ''} to cache them.")
+            if degraded:
+                logger.warning(f"fcdp: cache allocation failed for {len(degraded)} parameters on at least one rank; "
+                               f"they take the plain ZeRO-3 path on every rank. Training continues unchanged.")
+
+    def on_step_end(self) -> None:
+        """``auto`` mode: promote once, at the first optimizer step boundary."""
+        if self.config.cache_device == "auto" and not self.promoted:
+            self.promoted = True
+            self._promote_to_device()
+
+    def _promote_to_device(self) -> None:
+        """``auto`` mode, first step boundary: move host slices to the accelerator within the headroom
+        the first step left unused (total minus its peak), so the cache never takes memory a step
+        needed. Placement only: which parameters are cached does not change, so no agreement is needed.
+        """
+        acc = get_accelerator()
+        headroom = max(0, acc.total_memory() - acc.max_memory_allocated())
+        budget = min(headroom, self.config.device_budget_spec.resolve(headroom, auto_fraction=0.5))
+        host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]
+        plan = plan_placement([_request(e) for e in host], "device", host_budget=0, device_budget=budget)
+        chosen = [e for e in host if plan[e.param.ds_id] is Placement.DEVICE]
+        if not chosen:
+            return
+        pool = self.cache.pools[Placement.DEVICE] or SlotPool(Placement.DEVICE, pin=False)
+        self.cache.pools[Placement.DEVICE] = pool
+        moved = self.cache.move(chosen, pool)
+        self.cache.pools[Placement.HOST].release_unused(self.cache.entries.values())
+        if dist.get_rank() == 0:
+            logger.info(f"fcdp: moved {len(moved)} cached slices ({fmt_bytes(sum(e.nbytes for e in moved))}) to "
+                        f"the accelerator (headroom after step 1: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")

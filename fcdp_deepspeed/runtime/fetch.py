@@ -1,0 +1,173 @@
+"""The fetch path: per-parameter gather wrappers that count hits and misses, serve hits from the node
+cache, verify them against plain ZeRO-3 (``verify`` mode), and complete zero-size parameters.
+
+[Note: threads]
+Backward fetches and releases can run on autograd worker threads (one per device), while the
+main thread runs forward, the optimizer step and checkpoint events. What is shared and why it is
+safe:
+
+- entry states and ``param.ds_secondary_tensor``: changed only inside ``NodeCache`` under its
+  re-entrant lock (fills on release, invalidations, staging around one gather);
+- the DeepSpeed coordinator already serialises fetches of one module (its leaf-module lock) and a
+  parameter is INFLIGHT between issue and wait, so it is never filled while being gathered: fills
+  happen only in ``partition()`` of an AVAILABLE parameter;
+- counters (``CacheCounters``, ``CommCounters``): every update holds the object's lock;
+- collective attribution (``LEDGER.attribute``): a thread-local stack, so a backward thread's
+  collectives are never attributed to another engine;
+- invalidation at step boundaries and checkpoint events runs on the main thread when no fetch is in
+  flight (DeepSpeed partitions every parameter first), so it cannot race a gather.
+Hit/miss decisions read the entry state once per gather, under the lock, before the collective
+is issued; all ranks make them at the same logical point, so they agree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
+from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
+
+
+class StaleCacheError(RuntimeError):
+    """Verification found a cached parameter that differs from its plain ZeRO-3 value."""
+
+
+#: Attribute of a wrapper that holds the DeepSpeed function it replaced.
+_ORIGINAL = "_fcdp_original"
+
+
+def unwrapped(fn: Callable) -> Callable:
+    """The DeepSpeed gather function that :meth:`FetchPath.wrap` replaced (``fn`` if unwrapped)."""
+    return getattr(fn, _ORIGINAL, fn)
+
+
+def _split_empty(params: list) -> tuple[list, list]:
+    """Zero-size parameters have nothing to gather; DeepSpeed's gather crashes on them
+    (``torch.cat`` of no partitions), so FCDP engines materialise them locally instead."""
+    empty = [p for p in params if p.ds_numel == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE]
+    for p in empty:
+        p.ds_status = ZeroParamStatus.INFLIGHT  # the coordinator checks this right after issuing
+    return [p for p in params if p.ds_numel != 0], empty
+
+
+def _materialize_empty(params: list) -> None:
+    for p in params:
+        p.data = torch.empty(p.ds_shape, dtype=p.ds_tensor.dtype, device=get_accelerator().current_device_name())
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+class _VerifyingHandle:
+    """Wraps a gather handle: completes zero-size parameters, and compares cache-served parameters
+    with a plain gather (verify mode)."""
+
+    def __init__(self, handle: Any, checks: list[tuple[CacheEntry, torch.Tensor]], empty: list) -> None:
+        self.handle = handle
+        self.checks = checks
+        self.empty = empty
+        self.done = False
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        if self.handle is not None:
+            self.handle.wait(handle_dependency=handle_dependency)
+        if self.done:
+            return
+        self.done = True
+        _materialize_empty(self.empty)
+        for entry, reference in self.checks:
+            served = entry.param.data.reshape(-1)
+            expected = reference.narrow(0, 0, entry.param.ds_numel).to(served.dtype)
+            if not torch.equal(served, expected):
+                diff = (served.float() - expected.float()).abs().max().item()
+                raise StaleCacheError(
+                    f"fcdp verify: the cached value of parameter {entry.name!r} differs from its plain ZeRO-3 "
+                    f"gather (max abs diff {diff:g}). A path changed the parameter without invalidating the cache; "
+                    f"please report it with the training loop that triggered it.")
+
+
+@dataclass(eq=False)
+class FetchPath:
+    """Serves one engine's gathers. Its only state is each entry's hit count (``entry.hits``), which
+    drives verify sampling; it counts into the engine's counters."""
+
+    cache: NodeCache
+    counters: CacheCounters
+    comm: CommCounters
+    #: Fraction of cache hits re-gathered the plain way and compared (0 = off).
+    verify_rate: float
+
+    def wrap(self, param: torch.nn.Parameter) -> None:
+        """Replace ``param``'s two gather entry points (once; the originals stay reachable)."""
+        if hasattr(param.all_gather_coalesced, _ORIGINAL):
+            return
+        fetch = self
+        original_coalesced, original_gather = param.all_gather_coalesced, param.all_gather
+
+        def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
+            params, empty = _split_empty(list(params))
+            hits, checks = fetch.count_and_verify(params)
+            handle = None
+            if params:
+                with LEDGER.attribute(fetch.comm), fetch.cache.staged(hits):
+                    handle = original_coalesced(params, safe_mode=safe_mode, quantize=quantize)
+            if checks or empty:
+                return _VerifyingHandle(handle, checks, empty)
+            return handle
+
+        def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
+            rest, empty = _split_empty(list(param_list) if param_list is not None else [param])
+            _materialize_empty(empty)
+            if not rest:
+                return [] if async_op else None
+            with LEDGER.attribute(fetch.comm):
+                return original_gather(param_list=rest, async_op=async_op, hierarchy=hierarchy)
+
+        setattr(all_gather_coalesced, _ORIGINAL, original_coalesced)
+        setattr(all_gather, _ORIGINAL, original_gather)
+        param.all_gather_coalesced = all_gather_coalesced
+        param.all_gather = all_gather
+
+    def count_and_verify(
+            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[tuple[CacheEntry, torch.Tensor]]]:
+        """Count hits/misses of one gather; return the hit entries and the verification references.
+
+        Verification samples by each entry's own hit count, which is identical on every rank, so the
+        extra plain gathers are collective on all of them (see [Note: threads] for ordering)."""
+        hit_entries: list[CacheEntry] = []
+        misses = uncached = 0
+        to_check: list[CacheEntry] = []
+        rate = self.verify_rate
+        for param in sorted(params, key=lambda p: p.ds_id):  # same order on every rank
+            entry = self.cache.entry(param)
+            if entry is None or entry.state is EntryState.DISABLED:
+                uncached += 1
+            elif self.cache.is_hit(entry):
+                hit_entries.append(entry)
+                entry.hits += 1
+                if rate > 0 and math.floor(entry.hits * rate) != math.floor((entry.hits - 1) * rate):
+                    to_check.append(entry)
+            else:
+                misses += 1
+        self.counters.bump(hits=len(hit_entries), misses=misses, uncached_fetches=uncached)
+        return hit_entries, [(e, self._reference_gather(e)) for e in to_check]
+
+    def _reference_gather(self, entry: CacheEntry) -> torch.Tensor:
+        """Plain ZeRO-3 gather of the primary partitions (collective over the DP group)."""
+        param = entry.param
+        if entry.checksum is not None and float(entry.slot.double().sum()) != entry.checksum:
+            raise StaleCacheError(f"fcdp verify: the cached slice of parameter {entry.name!r} changed since it was "
+                                  f"filled (memory corruption or a racing write into the cache).")
+        device = get_accelerator().current_device_name()
+        shard = param.ds_tensor.to(device)
+        world = dist.get_world_size(group=param.ds_process_group)
+        out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=device)
+        with LEDGER.attribute(self.comm):
+            dist.all_gather_into_tensor(out, shard, group=param.ds_process_group)
+        self.counters.bump(verified_hits=1)
+        return out

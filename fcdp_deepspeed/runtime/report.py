@@ -1,0 +1,76 @@
+"""Reporting: one engine's stats dictionary, and its periodic log line and monitor events."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.monitor.monitor import MonitorMaster
+from deepspeed.utils import logger
+
+from fcdp_deepspeed.cache import EntryState, Placement
+from fcdp_deepspeed.monitor import monitor_events
+from fcdp_deepspeed.runtime.allocation import Allocation
+from fcdp_deepspeed.runtime.attach import Attachment
+from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
+
+
+@dataclass(eq=False)
+class Report:
+    """Reads every part of one engine's runtime; owns only where and how often it reports."""
+
+    attachment: Attachment
+    allocation: Allocation
+    counters: CacheCounters
+    comm: CommCounters
+    #: DeepSpeed's ``steps_per_print``: report every that many optimizer steps (``None``: never).
+    steps_per_print: Optional[int]
+    #: The engine's own monitor, when enabled (see ``monitor.py``).
+    monitor: Optional[MonitorMaster]
+
+    def on_step_end(self) -> None:
+        step = self.counters.optimizer_steps
+        if self.steps_per_print and step % self.steps_per_print == 0:
+            stats = self.stats()
+            if self.monitor is not None:
+                self.monitor.write_events(monitor_events(stats, step))
+            if dist.get_rank() == 0:
+                logger.info(format_stats_line(stats))
+
+    def stats(self) -> dict:
+        cache, topo, c = self.attachment.cache, self.attachment.topology, self.counters
+        uncached = self.attachment.uncached
+        host_pool, device_pool = cache.pools[Placement.HOST], cache.pools[Placement.DEVICE]
+        out = {
+            **self.comm.allgather_summary(),
+            "cache_hits": c.hits,
+            "cache_misses": c.misses,
+            "uncached_fetches": c.uncached_fetches,
+            "cache_fills": c.fills,
+            "cache_refreshes": c.refreshes,
+            "invalidations": dict(c.invalidations),
+            "verified_hits": c.verified_hits,
+            "h2d_async_copies": c.staged_copies,
+            "h2d_async_bytes": c.staged_bytes,
+            "optimizer_steps": c.optimizer_steps,
+            "host_cache_bytes": cache.held_bytes(Placement.HOST),
+            "device_cache_bytes": cache.held_bytes(Placement.DEVICE),
+            "host_pool_bytes": host_pool.nbytes if host_pool else 0,
+            "device_pool_bytes": device_pool.nbytes if device_pool else 0,
+            "pinned_pool_bytes": host_pool.pinned_nbytes if host_pool else 0,
+            "pool_allocations": sum(p.allocations for p in cache.pools.values() if p is not None),
+            "host_pool_allocations": host_pool.allocations if host_pool else 0,
+            "device_pool_allocations": device_pool.allocations if device_pool else 0,
+            "cached_params": sum(1 for e in cache.entries.values() if e.state is not EntryState.DISABLED),
+            "uncached_params": sum(uncached.values()) + sum(
+                1 for e in cache.entries.values() if e.state is EntryState.DISABLED),
+            "uncached_bytes": self.allocation.uncached_bytes,
+            "uncached_reasons": dict(uncached),
+            "ranks_per_node": topo.ranks_per_node,
+            "num_nodes": topo.num_nodes,
+            "node_ranks": list(topo.node_ranks),
+            "peak_device_memory_bytes": get_accelerator().max_memory_allocated(),
+        }
+        out.update(self.comm.snapshot())
+        return out

@@ -1,0 +1,12 @@
+"""Tooling that runs beside a training job, never inside one.
+
+The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imports this package
+(``tests/test_architecture.py`` checks it): a training process loads none of it.
+
+- ``launch.py``, ``_worker.py``: run a function on N local gloo ranks (tests, demo, benchmark);
+- ``cluster.py``: an emulated multi-node cluster (network namespaces, shaped uplinks);
+- ``toy.py``: tiny models and a deterministic training loop;
+- ``bench.py``, ``planner.py``, ``demo.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``;
+- ``cli.py``: the ``fcdp`` command;
+- ``_alias.py``: keeps the modules' old paths (``fcdp_deepspeed.launch``, ...) working.
+"""

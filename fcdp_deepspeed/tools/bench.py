@@ -1,0 +1,339 @@
+"""Side-by-side benchmark on an emulated commodity cluster: ZeRO-3, ZeRO++ hpZ and FCDP.
+
+    fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--out results/bench]
+    python -m fcdp_deepspeed.tools.bench ...      # same
+
+Every bandwidth is a fresh :class:`~fcdp_deepspeed.tools.cluster.EmulatedCluster` (2 nodes x 2 ranks
+by default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
+(full fine-tune, LoRA) the three engines train the same model on the same data, each in fresh
+processes (an engine measured after another one in the same process ran 2-3% slower, whichever it
+was, and peak memory would mix engines), ``--repeats`` times in interleaved order; the step time
+is the median over every timed step of every repeat (single runs vary by up to +-8% on 2 cores). Per run: median step time, samples/s, inter-node bytes per step from
+the kernel's interface counters and from our own collective counters (they must agree within 5%),
+cache and peak memory, losses (identical across engines). Results: JSON, CSV and a PNG plot.
+
+Release regime: ``large`` (default) sets ``stage3_max_reuse_distance=0`` and
+``stage3_prefetch_bucket_size=0`` so ZeRO-3 releases every parameter after use, which is what a
+model larger than accelerator memory does; a model this small would otherwise stay gathered
+between forward and backward and no engine would re-gather anything (``--regime default``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ENGINES = ("zero3", "hpz", "fcdp")
+JOBS = ("full", "lora")
+
+
+@dataclass
+class BenchSpec:
+    nodes: int = 2
+    ranks_per_node: int = 2
+    rates_mbit: Sequence[float] = (100, 200, 1000, 10000, 0)
+    jobs: Sequence[str] = JOBS
+    engines: Sequence[str] = ENGINES
+    hidden: int = 512
+    layers: int = 8
+    lora_rank: int = 2
+    micro_batch: int = 8
+    grad_accum: int = 1
+    warmup: int = 2
+    steps: int = 5
+    repeats: int = 3
+    regime: str = "large"
+    timeout_s: float = 900
+
+
+def _uplink_counters() -> dict:
+    """This node's uplink counters, read from inside the node's namespace."""
+    base = "/sys/class/net/eth0/statistics/"
+    try:
+        return {k: int(open(base + k).read()) for k in ("tx_bytes", "tx_packets")}
+    except OSError:
+        return {"tx_bytes": 0, "tx_packets": 0}
+
+
+def rank_main(spec: dict, job: str) -> list[dict]:
+    """One job, the engines of ``spec``, on this rank. Returns per-engine records (complete on rank 0)."""
+    import torch
+
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import groups
+
+    import fcdp_deepspeed
+    from fcdp_deepspeed.tools import toy
+    from fcdp_deepspeed.tools.cluster import HEADER_BYTES
+    from fcdp_deepspeed.stats import LEDGER
+
+    s = BenchSpec(**spec)
+    deepspeed.init_distributed(dist_backend="gloo")
+    fcdp_deepspeed.enable_comm_counting(s.ranks_per_node)
+    local_first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    lora_rank = s.lora_rank if job == "lora" else 0
+    reference = toy.ToyModel(s.hidden, s.layers, lora_rank)  # unpartitioned, for the planner's model facts
+    no_backward = toy.no_backward_numel(reference, torch.randn(2, s.hidden))
+    del reference
+    records = []
+    for engine_name in s.engines:
+        block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host"}
+                 if engine_name == "fcdp" else None)
+        cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
+                            hpz=s.ranks_per_node if engine_name == "hpz" else 0)
+        get_accelerator().reset_peak_memory_stats()
+        engine = toy.build_engine(cfg, hidden=s.hidden, layers=s.layers, lora_rank=lora_rank)
+        warm = toy.train(engine, s.warmup, hidden=s.hidden)
+        dist.barrier()
+        c0, l0 = _uplink_counters(), LEDGER.totals.copy()
+        stats0 = fcdp_deepspeed.get_stats(engine)
+        res = toy.train(engine, s.steps, hidden=s.hidden, seed=1)
+        dist.barrier()
+        c1 = _uplink_counters()
+        counted = LEDGER.totals.minus(l0)
+        payload = ((c1["tx_bytes"] - c0["tx_bytes"]) - HEADER_BYTES * (c1["tx_packets"] - c0["tx_packets"])
+                   if local_first else 0)
+        stats1 = fcdp_deepspeed.get_stats(engine)
+        mine = {
+            "payload": payload,
+            "wire": sum(counted.wire.values()),
+            "step_times": res.step_times,
+            "peak_mem": get_accelerator().max_memory_allocated(),
+        }
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
+        step_time = statistics.median(step_times)
+        samples = s.micro_batch * s.grad_accum * dist.get_world_size()
+        records.append({
+            "job": job, "engine": engine_name, "regime": s.regime, "all_step_times": step_times,
+            "samples_per_step": samples, "step_time_s": step_time, "samples_per_s": samples / step_time,
+            "kernel_inter_node_bytes_per_step": sum(r["payload"] for r in everyone) / s.steps,
+            "counted_inter_node_bytes_per_step": sum(r["wire"] for r in everyone) / s.steps,
+            "allgather_inter_node_bytes_per_step_rank0": (stats1["inter_node_allgather_bytes"] -
+                                                          stats0["inter_node_allgather_bytes"]) / s.steps,
+            "host_cache_bytes_per_rank": stats1.get("host_pool_bytes", 0),
+            "device_cache_bytes_per_rank": stats1.get("device_pool_bytes", 0),
+            "peak_memory_bytes": max(r["peak_mem"] for r in everyone),
+            "cache_hits": stats1["cache_hits"],
+            "losses": warm.losses + res.losses,
+            "params": sum(p.ds_numel for p in engine.module.parameters()),
+            "trainable_params": sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad),
+            "no_backward_params": no_backward,
+            "world": dist.get_world_size(), "nodes": s.nodes, "grad_accum": s.grad_accum,
+        })
+        del engine
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
+        gc.collect()
+    return records
+
+
+def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
+    """One row from the repeats of one (rate, job, engine): median step time over all timed steps."""
+    row = dict(repeats[0])
+    times = [t for r in repeats for t in r["all_step_times"]]
+    row["rate_mbit"] = rate
+    row["repeats"] = len(repeats)
+    row["step_time_s"] = statistics.median(times)
+    row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
+    row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
+    for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
+                "allgather_inter_node_bytes_per_step_rank0"):
+        row[key] = statistics.fmean(r[key] for r in repeats)
+    row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
+    row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
+    return row
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Throughput ratios against ZeRO-3 and hpZ at the same rate, and against the no-network bound
+    (the fastest engine of that job on the unlimited network)."""
+    by = {(r["rate_mbit"], r["job"], r["engine"]): r for r in rows}
+    for r in rows:
+        for ref in ("zero3", "hpz"):
+            other = by.get((r["rate_mbit"], r["job"], ref))
+            r[f"speedup_vs_{ref}"] = r["samples_per_s"] / other["samples_per_s"] if other else None
+        bound = [x["samples_per_s"] for x in rows if x["job"] == r["job"] and x["rate_mbit"] == 0]
+        r["fraction_of_no_network_bound"] = r["samples_per_s"] / max(bound) if bound else None
+        k = r["kernel_inter_node_bytes_per_step"]
+        r["counted_vs_kernel"] = r["counted_inter_node_bytes_per_step"] / k if k else None
+    return rows
+
+
+def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dict]:
+    from fcdp_deepspeed.tools.cluster import EmulatedCluster
+    from fcdp_deepspeed.tools.launch import run_local
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    tasks = [(rate, job, rep, engine) for rate in spec.rates_mbit for job in spec.jobs
+             for rep in range(spec.repeats) for engine in spec.engines]
+    bar = _progress(progress, len(tasks))
+    started = time.time()
+    runs: dict[tuple, list[dict]] = {}
+    try:
+        for rate, job, rep, engine in tasks:
+            bar.update(f"{_rate_label(rate)}, {job}, {engine} (repeat {rep + 1}/{spec.repeats})")
+            one = asdict(spec) | {"engines": [engine]}
+            with EmulatedCluster(spec.nodes, rate_mbit=rate or None, tag="b") as cluster:
+                record = run_local("fcdp_deepspeed.tools.bench:rank_main", spec.nodes * spec.ranks_per_node,
+                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
+            runs.setdefault((rate, job, engine), []).append(record)
+            bar.advance()
+    finally:
+        bar.close()
+    for (rate, job, engine), repeats in runs.items():
+        rows.append(_combine(repeats, rate, spec))
+    add_ratios(rows)
+    meta = {"spec": asdict(spec), "seconds": time.time() - started, "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_results(rows, meta, out_dir)
+    return rows
+
+
+class _progress:
+    """A rich progress bar when stdout is a terminal and rich is installed; plain lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar = None
+        self.done = 0
+        self.total = total
+        if enabled:
+            try:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+                self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                    TimeElapsedColumn(), TextColumn("{task.description}"))
+                self.task = self.bar.add_task("", total=total)
+                self.bar.start()
+            except ImportError:
+                pass
+
+    def update(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=label)
+        else:
+            print(f"[bench {self.done + 1}/{self.total}] {label}", flush=True)
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+COLUMNS = ["rate_mbit", "job", "engine", "regime", "step_time_s", "samples_per_s", "speedup_vs_zero3", "speedup_vs_hpz",
+           "fraction_of_no_network_bound", "kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
+           "counted_vs_kernel", "host_cache_bytes_per_rank", "device_cache_bytes_per_rank", "peak_memory_bytes"]
+
+
+def write_results(rows: list[dict], meta: dict, out_dir: Path) -> None:
+    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(out_dir / "bench.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out_dir / "bench.png")
+    (out_dir / "bench.md").write_text(markdown_table(rows))
+
+
+def _rate_label(rate: float) -> str:
+    return "unlimited" if not rate else (f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| bandwidth | job | engine | step time (s) | samples/s | vs ZeRO-3 | vs hpZ | of no-network bound | "
+             "inter-node MB/step (kernel) | counted/kernel | cache host MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        lines.append(f"| {_rate_label(r['rate_mbit'])} | {r['job']} | {r['engine']} | {r['step_time_s']:.3f} | "
+                     f"{r['samples_per_s']:.1f} | {fmt(r['speedup_vs_zero3'], '.2f')}x | {fmt(r['speedup_vs_hpz'], '.2f')}x | "
+                     f"{fmt(r['fraction_of_no_network_bound'], '.0%')} | {r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} | "
+                     f"{fmt(r['counted_vs_kernel'], '.3f')} | {r['host_cache_bytes_per_rank'] / 2**20:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    jobs = sorted({r["job"] for r in rows}, key=lambda j: JOBS.index(j) if j in JOBS else 9)
+    fig, axes = plt.subplots(2, len(jobs), figsize=(6 * len(jobs), 8), squeeze=False)
+    rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"]})
+    unlimited_x = (max(rates) * 4) if rates else 1
+    for col, job in enumerate(jobs):
+        for engine, style in zip(ENGINES, ("o-", "s--", "^-")):
+            pts = sorted((r["rate_mbit"] or unlimited_x, r) for r in rows if r["job"] == job and r["engine"] == engine)
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            axes[0][col].plot(xs, [r["samples_per_s"] for _, r in pts], style, label=engine)
+            axes[1][col].plot(xs, [r["kernel_inter_node_bytes_per_step"] / 1e6 for _, r in pts], style, label=engine)
+        for row, ylabel in ((0, "samples/s"), (1, "inter-node MB per step (kernel)")):
+            ax = axes[row][col]
+            ax.set_xscale("log")
+            ax.set_xticks(rates + [unlimited_x])
+            ax.set_xticklabels([_rate_label(r) for r in rates] + ["unlimited"], rotation=30, fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{job} ({rows[0]['regime']} release regime)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        axes[1][col].set_xlabel("inter-node bandwidth per node uplink")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="fcdp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="100,200,1000,10000,0", help="Mbit/s per node uplink, 0 = unlimited")
+    ap.add_argument("--jobs", default="full,lora")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--lora-rank", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per engine, interleaved")
+    ap.add_argument("--regime", choices=["large", "default"], default="large")
+    ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                     rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
+                     engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
+                     micro_batch=args.micro_batch, grad_accum=args.grad_accum, warmup=args.warmup, steps=args.steps,
+                     repeats=args.repeats,
+                     regime=args.regime)
+    from fcdp_deepspeed.tools.cluster import ClusterUnavailable
+    try:
+        rows = run_bench(spec, Path(args.out), progress=not args.no_progress)
+    except ClusterUnavailable as err:
+        print(f"fcdp bench needs network namespaces: {err}")
+        return 2
+    print(markdown_table(rows))
+    print(f"results: {args.out}/bench.json, bench.csv, bench.png, bench.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Checkpoints: engines load each other's checkpoints, ``zero_to_fp32`` and 16-bit saves are
+identical, and a rank killed mid-step leaves a loadable checkpoint."""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from fcdp_deepspeed.tools.launch import RankFailure
+
+
+@pytest.fixture(scope="module")
+def interop():
+    with tempfile.TemporaryDirectory() as ckpt:
+        res = run_ranks("checkpoints:checkpoint_interop", 4, ckpt_dir=ckpt)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        fp32 = {tag: get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=tag) for tag in ("plain", "fcdp")}
+        bits16 = {tag: torch.load(os.path.join(ckpt, f"{tag}_16bit.bin"), map_location="cpu") for tag in ("plain", "fcdp")}
+        yield res, fp32, bits16
+
+
+def test_checkpoints_load_across_engines(interop):
+    res, _, _ = interop
+    for r in res:
+        assert r["fcdp_losses_after_save"] == r["plain_losses_after_save"]
+        for saved in ("plain", "fcdp"):
+            assert torch.equal(r[f"fcdp_loads_{saved}"], r[f"plain_loads_{saved}"])
+            assert r[f"fcdp_loads_{saved}_train"] == r[f"plain_loads_{saved}_train"]
+        assert torch.equal(r["plain_loads_fcdp"], r["plain_loads_plain"])  # same training, same checkpoint
+
+
+def test_zero_to_fp32_and_16bit_save_identical(interop):
+    _, fp32, bits16 = interop
+    assert fp32["plain"].keys() == fp32["fcdp"].keys() and fp32["plain"]
+    assert all(torch.equal(fp32["plain"][k], fp32["fcdp"][k]) for k in fp32["plain"])
+    assert bits16["plain"].keys() == bits16["fcdp"].keys() and bits16["plain"]
+    assert all(torch.equal(bits16["plain"][k], bits16["fcdp"][k]) for k in bits16["plain"])
+
+
+def test_rank_killed_mid_step_leaves_a_loadable_checkpoint():
+    with tempfile.TemporaryDirectory() as ckpt:
+        before = set(glob.glob(os.path.join(tempfile.gettempdir(), "fcdp-run-*")))
+        with pytest.raises(RankFailure) as err:
+            run_ranks("checkpoints:crash_mid_step", 4, timeout=120, ckpt_dir=ckpt)
+        assert "ranks [" in str(err.value)
+        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "fcdp-run-*"))) == before  # no temp dirs left
+        fcdp = run_ranks("checkpoints:resume", 4, ckpt_dir=ckpt, fcdp=True)
+        plain = run_ranks("checkpoints:resume", 4, ckpt_dir=ckpt, fcdp=False)
+    for f, p in zip(fcdp, plain):
+        assert f["losses"] == p["losses"]
+    assert all(torch.equal(fcdp[0]["weights"][k], plain[0]["weights"][k]) for k in plain[0]["weights"])

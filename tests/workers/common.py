@@ -1,0 +1,62 @@
+"""What every worker needs: the process group, the fcdp block, one plain-or-FCDP training run.
+
+Workers run on every rank of a spawned gloo group (``conftest.run_ranks``) and return plain data
+(losses, weights, stats) for the test process to compare.
+"""
+from __future__ import annotations
+
+import torch
+
+import deepspeed
+from deepspeed import comm as dist
+
+import fcdp_deepspeed
+from fcdp_deepspeed.tools import toy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def setup(ranks_per_node: int = 2) -> None:
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    fcdp_deepspeed.enable_comm_counting(ranks_per_node=ranks_per_node)
+
+
+def fcdp_block(ranks_per_node: int = 2, **extra) -> dict:
+    return {"enabled": True, "ranks_per_node": ranks_per_node, **extra}
+
+
+def run_scenario(sc: dict, fcdp: bool, ranks_per_node: int = 2) -> toy.RunResult:
+    dtype = sc.get("dtype", "fp32")
+    cfg = toy.ds_config(fcdp_block(ranks_per_node, **sc.get("fcdp", {})) if fcdp else None,
+                        regime=sc.get("regime", "large"), grad_accum=sc.get("grad_accum", 1), dtype=dtype,
+                        loss_scale_power=sc.get("loss_scale_power", 8),
+                        **sc.get("zero", {}))
+    engine = toy.build_engine(cfg, lora_rank=sc.get("lora_rank", 0), activation_checkpointing=sc.get("ckpt", False),
+                              zero_init=sc.get("zero_init", False), layers=sc.get("layers", 4))
+    res = toy.train(engine, sc.get("steps", 3), record_step_stats=True, record_phases=True, dtype=DTYPES[dtype])
+    weights = toy.gather_weights(engine)  # collective: every rank gathers, rank 0 reports
+    res.weights = weights if dist.get_rank() == 0 else {}
+    res.extra["optimizer_class"] = type(engine.optimizer).__name__
+    return res
+
+
+def forward(engine, hidden: int) -> torch.Tensor:
+    return toy.evaluate(engine, torch.randn(2, hidden, generator=torch.Generator().manual_seed(7)))
+
+
+class LogCapture:
+    """Collect FCDP's log records (warnings about budgets, degraded parameters)."""
+
+    def __init__(self) -> None:
+        import logging
+        from deepspeed.utils import logger
+        self.messages: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[assignment]
+        handler.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
+
+    def fcdp(self, needle: str = "") -> list[str]:
+        return [m for m in self.messages if m.startswith("fcdp:") and needle in m]

@@ -1,0 +1,56 @@
+"""Workers of test_integrations.py: a trained policy beside a frozen reference, DeepSpeed's monitor."""
+from __future__ import annotations
+
+import torch
+
+import deepspeed
+
+import fcdp_deepspeed
+from fcdp_deepspeed.tools import toy
+from workers.common import fcdp_block, setup
+
+
+def policy_and_reference(steps: int = 3, fcdp: bool = True) -> dict:
+    """RLHF-style: a trained policy and a frozen reference model, each built under its own
+    zero.Init context in one process; the reference engine has no optimizer."""
+    setup()
+    cfg = toy.ds_config(fcdp_block() if fcdp else None, regime="large")
+    ref_cfg = {k: v for k, v in cfg.items() if k != "optimizer"}
+    import fcdp_deepspeed as fd
+    fd.install()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        policy = toy.ToyModel(32, 4, lora_rank=2)
+    torch.manual_seed(1)
+    with deepspeed.zero.Init(config_dict_or_path=ref_cfg):
+        reference = toy.ToyModel(32, 4)
+    for p in reference.parameters():
+        p.requires_grad = False
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=[p for p in policy.parameters() if p.requires_grad],
+                                      config=cfg)
+    ref_engine, *_ = deepspeed.initialize(model=reference, config=ref_cfg)
+    out = {"losses": [], "ref_outputs": [], "ref_inter": [], "classes": [type(engine.optimizer).__name__,
+                                                                         type(ref_engine.optimizer).__name__]}
+    for step in range(steps):
+        x, y = toy.batch(step, 4, 32)
+        before = fd.get_stats(ref_engine)["inter_node_allgather_bytes"]
+        ref_out = toy.evaluate(ref_engine, x)
+        out["ref_inter"].append(fd.get_stats(ref_engine)["inter_node_allgather_bytes"] - before)
+        out["ref_outputs"].append(ref_out)
+        loss = torch.nn.functional.mse_loss(engine(x), y) + 0.1 * torch.nn.functional.mse_loss(engine(x), ref_out)
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+    out["ref_stats"] = fd.get_stats(ref_engine)
+    out["policy_stats"] = fd.get_stats(engine)
+    return out
+
+
+def monitor_csv(out_dir: str, steps: int = 3) -> dict:
+    """DeepSpeed's csv monitor enabled: FCDP's counters land next to the engine's own."""
+    setup()
+    cfg = toy.ds_config(fcdp_block(), regime="large")
+    cfg.update(steps_per_print=1, csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "fcdp"})
+    engine = toy.build_engine(cfg)
+    toy.train(engine, steps)
+    return fcdp_deepspeed.get_stats(engine)

@@ -1,0 +1,37 @@
+"""Workers of test_placement.py: cache_device modes, budgets, allocation failures."""
+from __future__ import annotations
+
+from workers.common import LogCapture, run_scenario, setup
+
+
+def placement_modes(steps: int = 5, host_budget_bytes: int = 0) -> dict:
+    """Plain ZeRO-3 vs each cache_device mode and a host budget smaller than the model."""
+    setup()
+    capture = LogCapture()
+    variants = {
+        "plain": None,
+        "host": {"cache_device": "host"},
+        "device": {"cache_device": "device"},
+        "auto": {"cache_device": "auto"},
+        "small_budget": {"cache_device": "host", "host_budget": host_budget_bytes},
+    }
+    out = {}
+    for name, extra in variants.items():
+        before = len(capture.messages)
+        sc = {"steps": steps, "fcdp": extra or {}}
+        res = run_scenario(sc, fcdp=extra is not None)
+        res.extra["log"] = [m for m in capture.messages[before:] if m.startswith("fcdp:")]
+        out[name] = res
+    return out
+
+
+def degraded_allocation(steps: int = 4, chunk_bytes: int = 4096) -> dict:
+    """Pool chunks fail to allocate on one rank (FCDP_INJECT_FAULT): the parameters in them must
+    take the plain ZeRO-3 path on every rank, with a warning, and training must stay identical."""
+    from fcdp_deepspeed import cache
+    cache.CHUNK_BYTES = chunk_bytes  # several chunks, so only some parameters are affected
+    setup()
+    capture = LogCapture()
+    plain = run_scenario({"steps": steps}, fcdp=False)
+    fcdp = run_scenario({"steps": steps}, fcdp=True)
+    return {"plain": plain.losses, "fcdp": fcdp.losses, "stats": fcdp.stats, "log": capture.fcdp()}
