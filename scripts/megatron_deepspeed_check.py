@@ -145,6 +145,11 @@ def cmd_configs(args: argparse.Namespace) -> int:
         },
         "wall_clock_breakdown": False,
     }
+    if args.release == "large":
+        # What a model larger than device memory does: release every parameter after use and
+        # gather it again in backward. With DeepSpeed's defaults (--release default) a model
+        # this small stays gathered from forward to backward, and there is no second gather to save.
+        base["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     for name, enabled in (("zero3", False), ("fcdp", True)):
         # ZeRO-3 keeps the (disabled) block only so the probe counts bytes with the same node layout.
         cfg = dict(base, fcdp={"enabled": enabled, "ranks_per_node": args.ranks_per_node})
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--steps-per-print", type=int, default=1000)
+    p.add_argument("--release", choices=["large", "default"], default="large",
+                   help="ZeRO-3 release regime: large (stage3_max_reuse_distance=0, prefetch 0) or DeepSpeed's defaults")
     p.set_defaults(func=cmd_configs)
     p = sub.add_parser("compare", help="compare results/<tp>/<run>/rank*.json against results/<tp>/zero3")
     p.add_argument("results_dir")

@@ -23,6 +23,10 @@
 #                 deepspeed  deepspeed --num_gpus 4 --module fcdp_deepspeed.run pretrain_gpt.py ...
 #                 install    torchrun ... pretrain_gpt.py with an fcdp_deepspeed.install() line
 #   ITERS       training iterations (default 10)
+#   RELEASE     ZeRO-3 release regime: "large" (default; stage3_max_reuse_distance=0 and
+#               stage3_prefetch_bucket_size=0, as a model larger than device memory behaves) or
+#               "default" (DeepSpeed's defaults: this tiny model then stays gathered from forward
+#               to backward, so there is no backward gather for FCDP to save)
 #   RUN_TIMEOUT seconds per training run before its process group is killed (default 900)
 # Exit status 0 when every comparison passes.
 set -euo pipefail
@@ -45,6 +49,7 @@ WORKDIR="${WORKDIR:-$(mktemp -d /tmp/fcdp-megatron-XXXXXX)}"
 TPS="${TPS:-1 2}"
 LAUNCHERS="${LAUNCHERS:-run}"
 ITERS="${ITERS:-10}"
+RELEASE="${RELEASE:-large}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-900}"
 NPROC=4
 HELPER="$REPO/scripts/megatron_deepspeed_check.py"
@@ -78,7 +83,8 @@ echo "== Synthetic data and DeepSpeed configs"
 "$PYTHON" "$HELPER" data "$MDS" "$WORKDIR/data" >"$WORKDIR/data.log" 2>&1 || { tail -30 "$WORKDIR/data.log"; exit 1; }
 MICRO=2
 GLOBAL=8   # TP=1: DP=4 x micro 2; TP=2: DP=2 x micro 2 x 2 accumulation steps
-"$PYTHON" "$HELPER" configs "$WORKDIR" --global-batch "$GLOBAL" --micro-batch "$MICRO" --ranks-per-node 2
+"$PYTHON" "$HELPER" configs "$WORKDIR" --global-batch "$GLOBAL" --micro-batch "$MICRO" --ranks-per-node 2 \
+    --release "$RELEASE"
 
 MEGATRON_ARGS=(
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
@@ -90,6 +96,21 @@ MEGATRON_ARGS=(
     --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion
     --deepspeed --zero-stage 3 --no-pipeline-parallel
 )
+
+# Each training run gets its own session; a signal to this script (or its end) takes it down too.
+RUN_PGID=""
+kill_run() {
+    [[ -n "$RUN_PGID" ]] || return 0
+    if kill -0 -- "-$RUN_PGID" 2>/dev/null; then
+        kill -TERM -- "-$RUN_PGID" 2>/dev/null || true
+        sleep 3
+        kill -KILL -- "-$RUN_PGID" 2>/dev/null || true
+    fi
+    RUN_PGID=""
+}
+trap kill_run EXIT
+trap 'kill_run; exit 143' TERM
+trap 'kill_run; exit 130' INT
 
 free_port() { "$PYTHON" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
@@ -105,17 +126,17 @@ run_one() {
     t0=$(date +%s)
     (cd "$MDS" && FCDP_MEGATRON_OUT="$out" exec setsid -w "$@") >"$log" 2>&1 &
     local pid=$!
+    RUN_PGID=$pid
     while kill -0 "$pid" 2>/dev/null; do
         if (($(date +%s) - t0 > RUN_TIMEOUT)); then
             echo "   timed out after ${RUN_TIMEOUT}s; killing its process group"
-            kill -TERM -- "-$pid" 2>/dev/null || true
-            sleep 5
-            kill -KILL -- "-$pid" 2>/dev/null || true
+            kill_run
             break
         fi
         sleep 1
     done
     wait "$pid" || rc=$?
+    kill_run  # stragglers of a run that ended (a launcher that exited before its ranks)
     local n
     n=$(find "$out" -name 'rank*.json' | wc -l)
     if ((n != NPROC)); then
