@@ -73,6 +73,14 @@ if ! "$PYTHON" -c "import pybind11, six, nltk" 2>/dev/null; then
 fi
 "$PYTHON" -c "import torch, deepspeed, fcdp_deepspeed; print('torch', torch.__version__, '| deepspeed', deepspeed.__version__, '| fcdp-deepspeed', fcdp_deepspeed.__version__)"
 
+# DeepSpeed JIT-builds a small CPU op (shm_comm) at init_distributed, under a file lock in
+# TORCH_EXTENSIONS_DIR. The shared default (~/.cache/torch_extensions) is rebuilt by every venv
+# with other flags, and a build killed midway leaves a lock every later job waits on forever;
+# so build it once here, single-process, in a directory of this run.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$WORKDIR/torch_extensions}"
+echo "== DeepSpeed's CPU comm op (JIT build into $TORCH_EXTENSIONS_DIR)"
+"$PYTHON" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 | grep -v -i warn | tail -2
+
 echo "== Compatibility edits (CPU, DeepSpeed 0.19.8)"
 "$PYTHON" "$HELPER" patch "$MDS"
 

@@ -52,7 +52,7 @@ def main() -> None:
         fcdp_deepspeed.install()
     import megatron.training as mtraining
 
-    state: dict = {"engine": None, "steps": [], "t_train": None}
+    state: dict = {"engine": None, "steps": [], "t_train": None, "bytes_at_init": 0}
     original_initialize = deepspeed.initialize
 
     def initialize(*args, **kwargs):
@@ -62,6 +62,8 @@ def main() -> None:
         fcdp_deepspeed.enable_comm_counting(_ranks_per_node(config))
         result = original_initialize(*args, **kwargs)
         state["engine"] = result[0]
+        # The zero point of the per-step bytes: what was counted before training started.
+        state["bytes_at_init"] = fcdp_deepspeed.get_stats(result[0])["inter_node_allgather_bytes"]
         return result
 
     deepspeed.initialize = initialize
@@ -114,6 +116,7 @@ def main() -> None:
         "fcdp_enabled": bool(stats.get("fcdp_enabled")) and getattr(engine.optimizer, "fcdp", None) is not None,
         "fcdp_installed": fcdp_deepspeed.is_installed(),
         "steps": steps,
+        "inter_node_allgather_bytes_at_init": state["bytes_at_init"],
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or v is None},
         "weights_sha256": whole.hexdigest(),
         "param_sha256": digests,
