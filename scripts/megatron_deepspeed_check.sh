@@ -23,6 +23,8 @@
 #                 deepspeed  deepspeed --num_gpus 4 --module fcdp_deepspeed.run pretrain_gpt.py ...
 #                 install    torchrun ... pretrain_gpt.py with an fcdp_deepspeed.install() line
 #   ITERS       training iterations (default 10)
+#   GLOBAL_BATCH global batch (default 8; micro-batch 2: at TP=1, DP=4 and no accumulation; at
+#               TP=2, DP=2 and 2 accumulated micro-batches per step; GLOBAL_BATCH=4 TPS=2: none)
 #   RELEASE     ZeRO-3 release regime: "large" (default; stage3_max_reuse_distance=0 and
 #               stage3_prefetch_bucket_size=0, as a model larger than device memory behaves) or
 #               "default" (DeepSpeed's defaults: this tiny model then stays gathered from forward
@@ -63,11 +65,12 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning,ignore::UserWarni
 export LOCAL_SIZE="$NPROC"
 
 t_start=$(date +%s)
+section() { echo "== [$(($(date +%s) - t_start))s] $*"; }
 mkdir -p "$WORKDIR"
-echo "== Megatron-DeepSpeed: $MDS ($(git -C "$MDS" rev-parse HEAD 2>/dev/null || echo 'not a git checkout'))"
-echo "== work dir: $WORKDIR"
+section "Megatron-DeepSpeed: $MDS ($(git -C "$MDS" rev-parse HEAD 2>/dev/null || echo 'not a git checkout'))"
+section "work dir: $WORKDIR"
 
-echo "== Python dependencies of Megatron-DeepSpeed"
+section "Python dependencies of Megatron-DeepSpeed"
 if ! "$PYTHON" -c "import pybind11, six, nltk" 2>/dev/null; then
     "$PYTHON" -m pip install -q pybind11 six nltk
 fi
@@ -78,19 +81,19 @@ fi
 # with other flags, and a build killed midway leaves a lock every later job waits on forever;
 # so build it once here, single-process, in a directory of this run.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$WORKDIR/torch_extensions}"
-echo "== DeepSpeed's CPU comm op (JIT build into $TORCH_EXTENSIONS_DIR)"
+section "DeepSpeed's CPU comm op (JIT build into $TORCH_EXTENSIONS_DIR)"
 "$PYTHON" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" 2>&1 | grep -v -i warn | tail -2
 
-echo "== Compatibility edits (CPU, DeepSpeed 0.19.8)"
+section "Compatibility edits (CPU, DeepSpeed 0.19.8)"
 "$PYTHON" "$HELPER" patch "$MDS"
 
-echo "== Megatron's dataset helper (C++, as Megatron builds it on rank 0)"
+section "Megatron's dataset helper (C++, as Megatron builds it on rank 0)"
 make -s -C "$MDS/megatron/data" >/dev/null
 
-echo "== Synthetic data and DeepSpeed configs"
+section "Synthetic data and DeepSpeed configs"
 "$PYTHON" "$HELPER" data "$MDS" "$WORKDIR/data" >"$WORKDIR/data.log" 2>&1 || { tail -30 "$WORKDIR/data.log"; exit 1; }
 MICRO=2
-GLOBAL=8   # TP=1: DP=4 x micro 2; TP=2: DP=2 x micro 2 x 2 accumulation steps
+GLOBAL="${GLOBAL_BATCH:-8}"
 "$PYTHON" "$HELPER" configs "$WORKDIR" --global-batch "$GLOBAL" --micro-batch "$MICRO" --ranks-per-node 2 \
     --release "$RELEASE"
 
@@ -162,12 +165,12 @@ failed=0
 for tp in $TPS; do
     res="$WORKDIR/results/tp$tp"
     args=("${MEGATRON_ARGS[@]}" --tensor-model-parallel-size "$tp")
-    echo "== TP=$tp: plain ZeRO-3"
+    section "TP=$tp: plain ZeRO-3"
     run_one "$res/zero3" "$WORKDIR/logs/tp${tp}_zero3.log" \
         "$PYBIN/torchrun" --nproc_per_node "$NPROC" --master_port "$(free_port)" \
         "$PROBE" pretrain_gpt.py "${args[@]}" --deepspeed_config "$WORKDIR/ds_zero3.json" || failed=1
     for launcher in $LAUNCHERS; do
-        echo "== TP=$tp: FCDP via $launcher"
+        section "TP=$tp: FCDP via $launcher"
         case "$launcher" in
             run) cmd=("$PYBIN/torchrun" --nproc_per_node "$NPROC" --master_port "$(free_port)"
                       -m fcdp_deepspeed.run "$PROBE" pretrain_gpt.py) ;;
@@ -182,7 +185,7 @@ for tp in $TPS; do
     done
 done
 
-echo "== Comparison (FCDP vs plain ZeRO-3, per TP)"
+section "Comparison (FCDP vs plain ZeRO-3, per TP)"
 "$PYTHON" "$HELPER" compare "$WORKDIR/results" || failed=1
 echo "== total time: $(($(date +%s) - t_start))s; results, logs and configs in $WORKDIR"
 exit "$failed"
