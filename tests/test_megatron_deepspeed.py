@@ -44,6 +44,7 @@ def test_megatron_deepspeed_gpt_fcdp_matches_zero3_with_fewer_inter_node_bytes(t
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
         pytest.fail(f"megatron_deepspeed_check.sh passed its {DEADLINE_S}s deadline:\n{out[-6000:]}")
+    print(out)  # the script's report: shown with -s, or -rP
     assert proc.returncode == 0, out[-6000:]
     summary = json.loads((tmp_path / "results" / "summary.json").read_text())
     launchers = os.environ.get("LAUNCHERS", "run").split()
