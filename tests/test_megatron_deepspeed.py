@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not MEGATRON_DIR, reason=(
         "MEGATRON_DEEPSPEED_DIR is not set: point it at a Megatron-DeepSpeed checkout "
         "(github.com/deepspeedai/Megatron-DeepSpeed) to run scripts/megatron_deepspeed_check.sh, "
-        "which patches that checkout for CPU + DeepSpeed 0.19.8 and takes about 10 minutes on 2 cores")),
+        "which patches that checkout for CPU + DeepSpeed 0.19.8 and takes 4 to 8 minutes on 2 cores")),
 ]
 
 
