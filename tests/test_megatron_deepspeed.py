@@ -55,4 +55,5 @@ def test_megatron_deepspeed_gpt_fcdp_matches_zero3_with_fewer_inter_node_bytes(t
         assert s["identical"], s
         assert s["losses"][-1] < s["losses"][0], s  # it trains
         assert s["fcdp_cache_hits"] > 0, s
-        assert s["ratio"] < 0.6, s  # 2 ranks per node: forward gathers cross nodes, backward ones do not
+        if os.environ.get("RELEASE", "large") == "large":  # RELEASE=default: nothing to save (see README)
+            assert s["ratio"] < 0.6, s  # the forward gather after each step crosses nodes, later ones do not
