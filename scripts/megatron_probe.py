@@ -52,7 +52,7 @@ def main() -> None:
         fcdp_deepspeed.install()
     import megatron.training as mtraining
 
-    state: dict = {"engine": None, "steps": [], "t_train": None, "bytes_at_init": 0}
+    state: dict = {"engine": None, "steps": [], "bytes_at_init": 0}
     original_initialize = deepspeed.initialize
 
     def initialize(*args, **kwargs):
@@ -72,8 +72,6 @@ def main() -> None:
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):
-        if state["t_train"] is None:
-            state["t_train"] = time.time()
         loss = loss_dict.get("lm loss")
         loss = float(loss.item() if torch.is_tensor(loss) else loss) if loss is not None else float("nan")
         engine = state["engine"]
