@@ -26,7 +26,7 @@ DEFAULT_CONFIG = os.path.join(HERE, "..", "configs", "hf_lora_fcdp.json")
 
 def run(steps: int = 5, fcdp: bool = True, ranks_per_node: Optional[int] = None, ds_config: str = DEFAULT_CONFIG,
         output_dir: Optional[str] = None, hidden: int = 256, layers: int = 2, use_peft: bool = True,
-        runner: str = "trainer") -> dict:
+        runner: str = "trainer", fcdp_extra: Optional[dict] = None, grad_accum: int = 1) -> dict:
     """Train; return this rank's per-step losses and FCDP stats (called by the tests too)."""
     import tempfile
 
@@ -41,10 +41,11 @@ def run(steps: int = 5, fcdp: bool = True, ranks_per_node: Optional[int] = None,
         deepspeed.init_distributed(dist_backend="gloo")
     fcdp_deepspeed.enable_comm_counting(ranks_per_node)
     cfg = load_ds_config(ds_config)
-    cfg["fcdp"] = {"enabled": fcdp, **({"ranks_per_node": ranks_per_node} if ranks_per_node else {})}
+    cfg["fcdp"] = {"enabled": fcdp, **({"ranks_per_node": ranks_per_node} if ranks_per_node else {}),
+                   **(fcdp_extra or {})}
     output_dir = output_dir or tempfile.mkdtemp(prefix="fcdp-hf-")
     if runner == "trainer":
-        return _run_trainer(cfg, steps, output_dir, hidden, layers, use_peft)
+        return _run_trainer(cfg, steps, output_dir, hidden, layers, use_peft, grad_accum)
     return _run_accelerate(cfg, steps, hidden, layers, use_peft)
 
 
@@ -73,12 +74,14 @@ class _TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _run_trainer(cfg: dict, steps: int, output_dir: str, hidden: int, layers: int, use_peft: bool) -> dict:
+def _run_trainer(cfg: dict, steps: int, output_dir: str, hidden: int, layers: int, use_peft: bool,
+                 grad_accum: int = 1) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import fcdp_deepspeed
 
     args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-3,
+                             gradient_accumulation_steps=grad_accum,
                              deepspeed=cfg, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
                              seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
     model = _model(hidden, layers, use_peft)  # after TrainingArguments: HF then builds it under zero.Init

@@ -50,7 +50,8 @@ def main() -> None:
         import fcdp_deepspeed  # only to report; the script itself never needs it
         stats = fcdp_deepspeed.get_stats(engine)
         facts.update({k: stats.get(k) for k in ("inter_node_allgather_bytes", "cache_hits", "num_nodes",
-                                                "ranks_per_node", "node_ranks")})
+                                                "ranks_per_node", "node_ranks", "inter_node_grad_reduce_bytes",
+                                                "grad_accumulated", "grad_delivered")})
     except ImportError:
         pass
     gathered = [None] * deepspeed.comm.get_world_size()

@@ -48,3 +48,18 @@ def test_full_finetune_matches_zero3_with_half_the_inter_node_traffic(runner):
         assert f["stats"]["uncached_params"] == 0
         for pb, fb in zip(_per_step(p), _per_step(f)):
             assert fb <= 0.55 * pb
+
+
+@pytest.mark.slow
+def test_trainer_with_node_gradient_accumulation_matches_zero3():
+    """HF Trainer, full fine-tune, GA 2, ``grad_accumulation: node``: the gradient plan is active, losses
+    match ZeRO-3 within the gradient modes' tolerance, and each optimizer step crosses nodes with
+    gradients once instead of twice."""
+    kw = dict(steps=3, ranks_per_node=2, runner="trainer", use_peft=False, ds_config=FULL_CFG, grad_accum=2)
+    plain = run_ranks("hf:hf_run", 4, timeout=600, fcdp=False, **kw)
+    node = run_ranks("hf:hf_run", 4, timeout=600, fcdp=True, fcdp_extra={"grad_accumulation": "node"}, **kw)
+    for p, n in zip(plain, node):
+        assert n["optimizer_class"] == "FCDPStage3" and n["stats"]["grad_accumulated"] > 0
+        assert len(n["losses"]) == len(p["losses"]) == 6
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(n["losses"], p["losses"])), (n["losses"], p["losses"])
+        assert n["stats"]["inter_node_grad_reduce_bytes"] < 0.2 * p["stats"]["inter_node_grad_reduce_bytes"]

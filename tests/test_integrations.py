@@ -82,6 +82,27 @@ def test_run_module_under_deepspeed_launcher(tmp):
     assert all(r["optimizer"] == "FCDPStage3" and r["cache_hits"] > 0 for r in res)
 
 
+def test_grad_modes_under_deepspeed_launcher(tmp):
+    """Node accumulation through the deepspeed launcher (GA 2): FCDP's gradient plan is active on every
+    rank and the losses match plain ZeRO-3 launched by torchrun within the gradient modes' tolerance."""
+    block = {"enabled": True, "ranks_per_node": 2, "grad_accumulation": "node"}
+    cfg = json.loads(Path(_config(tmp, block)).read_text())
+    cfg["gradient_accumulation_steps"] = 2
+    (tmp / "ga2.json").write_text(json.dumps(cfg))
+    cfg.pop("fcdp")
+    (tmp / "ga2_plain.json").write_text(json.dumps(cfg))
+    out = tmp / "g.json"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
+           "--module", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", str(tmp / "ga2.json"), "--out", str(out)]
+    res = _launch(cmd, out)
+    plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", str(tmp / "ga2_plain.json"), "--out", str(tmp / "h.json")]),
+                    tmp / "h.json")
+    for r, p in zip(res, plain):
+        assert r["optimizer"] == "FCDPStage3" and r["grad_accumulated"] > 0 and r["grad_delivered"] > 0
+        assert len(r["losses"]) == len(p["losses"]) == 4
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], p["losses"])), (r["losses"], p["losses"])
+
+
 def test_run_module_without_block_is_plain_zero3(tmp):
     cfg = _config(tmp, None)
     res = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "d.json")]),

@@ -26,7 +26,8 @@ def check_rows(rows: list[dict]) -> None:
         measured = row["kernel_inter_node_bytes_per_step"]
         assert abs(predicted(row) - measured) <= 0.10 * measured, (row["rate_mbit"], row["job"], row["engine"],
                                                                   predicted(row), measured)
-        assert abs(row["counted_vs_kernel"] - 1) <= 0.05, row  # our own counters agree with the kernel's
+        if not row.get("computed"):  # the bound row is computed, not measured
+            assert abs(row["counted_vs_kernel"] - 1) <= 0.05, row  # our own counters agree with the kernel's
 
 
 def test_ring_arithmetic():
@@ -37,6 +38,37 @@ def test_ring_arithmetic():
     assert inter_node_bytes_per_step(spec, "fcdp")["allgather"] == pytest.approx(1.5 * 2e9)
     lora = ClusterSpec(params=1e9, nodes=4, ranks_per_node=8, trainable_fraction=0.001)
     assert inter_node_bytes_per_step(lora, "fcdp")["total"] < 0.01 * inter_node_bytes_per_step(lora, "zero3")["total"]
+
+
+def test_gradient_modes_and_the_bound():
+    """fcdp_node: the gradient crosses nodes once per optimizer step, (N-1)/N of it per node uplink, on
+    either backend; the bound adds the same for the changed parameters."""
+    for backend in ("nccl", "gloo"):
+        for ga in (1, 4):
+            spec = ClusterSpec(params=1e9, nodes=2, ranks_per_node=2, dtype_bytes=2, backend=backend, grad_accum=ga)
+            node = inter_node_bytes_per_step(spec, "fcdp_node")
+            assert node["reduce_scatter"] == pytest.approx(2e9)  # (N-1) x t over both uplinks
+            assert node["allgather"] == inter_node_bytes_per_step(spec, "fcdp")["allgather"]
+            assert inter_node_bytes_per_step(spec, "bound")["total"] == pytest.approx(4e9)
+    # GA 4 on gloo, the benchmark's setting: <= 0.12x ZeRO-3's bytes and <= 0.25x hpZ's
+    spec = ClusterSpec(params=1e9, nodes=2, ranks_per_node=2, dtype_bytes=4, backend="gloo", grad_accum=4)
+    total = {e: inter_node_bytes_per_step(spec, e)["total"] for e in ("zero3", "hpz", "fcdp_node")}
+    assert total["fcdp_node"] <= 0.12 * total["zero3"] and total["fcdp_node"] <= 0.25 * total["hpz"]
+    # degenerate layouts fall back to the flat path
+    one_node = ClusterSpec(params=1e9, nodes=1, ranks_per_node=8)
+    assert inter_node_bytes_per_step(one_node, "fcdp_node")["total"] == 0
+
+
+def test_plan_recommends_gradient_modes_where_they_help():
+    paper = plan(ClusterSpec(params=30e9, nodes=4, ranks_per_node=8, grad_accum=8, dtype_bytes=2))
+    block = paper["recommended_fcdp_block"]
+    assert block["grad_reduce"] == "hierarchical" and block["grad_accumulation"] == "node"
+    assert paper["engines"]["fcdp_node"]["grad_buffer_host_bytes_per_node"] == pytest.approx(120e9)
+    e = paper["engines"]
+    assert e["bound"]["inter_node_bytes_per_step"] <= e["fcdp_node"]["inter_node_bytes_per_step"] \
+        < 0.25 * e["hpz"]["inter_node_bytes_per_step"]
+    assert "grad_accumulation" not in plan(ClusterSpec(params=1e9, nodes=2, ranks_per_node=8))["recommended_fcdp_block"]
+    assert "grad_reduce" not in plan(ClusterSpec(params=1e9, nodes=1, ranks_per_node=8))["recommended_fcdp_block"]
 
 
 def test_plan_recommends_a_block_and_reports_memory(capsys):
@@ -73,9 +105,10 @@ def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     # adapters large enough that payload, not gloo's per-message protocol bytes, dominates (as in real LoRA)
     spec = BenchSpec(rates_mbit=[0], hidden=512, layers=4, lora_rank=8, warmup=2, steps=2, repeats=1, timeout_s=400)
     rows = run_bench(spec, tmp_path, progress=False)
-    assert {(r["job"], r["engine"]) for r in rows} == {(j, e) for j in ("full", "lora") for e in ("zero3", "hpz", "fcdp")}
+    engines = ("zero3", "hpz", "fcdp", "fcdp_node", "bound")
+    assert {(r["job"], r["engine"]) for r in rows} == {(j, e) for j in ("full", "lora") for e in engines}
     check_rows(rows)
     for job in ("full", "lora"):
-        losses = {r["engine"]: r["losses"] for r in rows if r["job"] == job}
+        losses = {r["engine"]: r["losses"] for r in rows if r["job"] == job and not r.get("computed")}
         assert losses["fcdp"] == losses["zero3"]
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()

@@ -118,3 +118,9 @@ def test_megatron_layout_tp2_on_2_nodes_x_4():
         assert r["fcdp"]["stats"]["cache_hits"] > 0
     # The layout is a real trap: hpZ's contiguous blocks pair TP peers and training diverges.
     assert any(r["hpz"].get("losses") != r["plain"]["losses"] for r in res)
+    # Gradient node peers are derived inside each DP group too: {0,4},{2,6} and {1,5},{3,7}.
+    for r in res:
+        node, plain = r["fcdp_node_ga2"], r["plain_ga2"]
+        assert node["stats"]["grad_accumulated"] > 0 and node["stats"]["grad_delivered"] > 0
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(node["losses"], plain["losses"])), (node, plain)
+        assert len(node["losses"]) == len(plain["losses"]) == 6

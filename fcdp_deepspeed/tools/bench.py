@@ -30,8 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-ENGINES = ("zero3", "hpz", "fcdp")
+ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
+#: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
+FCDP_BLOCKS = {"fcdp": {}, "fcdp_node": {"grad_accumulation": "node"}}
 
 
 @dataclass
@@ -45,6 +47,8 @@ class BenchSpec:
     layers: int = 8
     lora_rank: int = 2
     micro_batch: int = 8
+    grad_accums: Sequence[int] = (1, )
+    """Gradient accumulation steps to sweep; each run uses one (``grad_accum``)."""
     grad_accum: int = 1
     warmup: int = 2
     steps: int = 5
@@ -86,8 +90,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     del reference
     records = []
     for engine_name in s.engines:
-        block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host"}
-                 if engine_name == "fcdp" else None)
+        block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host",
+                  **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -121,6 +125,9 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "counted_inter_node_bytes_per_step": sum(r["wire"] for r in everyone) / s.steps,
             "allgather_inter_node_bytes_per_step_rank0": (stats1["inter_node_allgather_bytes"] -
                                                           stats0["inter_node_allgather_bytes"]) / s.steps,
+            "grad_reduce_inter_node_bytes_per_step_rank0": (stats1["inter_node_grad_reduce_bytes"] -
+                                                            stats0["inter_node_grad_reduce_bytes"]) / s.steps,
+            "grad_buffer_host_bytes_per_rank": stats1.get("grad_buffer_host_bytes", 0),
             "host_cache_bytes_per_rank": stats1.get("host_pool_bytes", 0),
             "device_cache_bytes_per_rank": stats1.get("device_pool_bytes", 0),
             "peak_memory_bytes": max(r["peak_mem"] for r in everyone),
@@ -147,25 +154,56 @@ def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
     row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
     row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
     for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
-                "allgather_inter_node_bytes_per_step_rank0"):
+                "allgather_inter_node_bytes_per_step_rank0", "grad_reduce_inter_node_bytes_per_step_rank0"):
         row[key] = statistics.fmean(r[key] for r in repeats)
     row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
     row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
     return row
 
 
+def _job_key(r: dict) -> tuple:
+    return r["job"], r.get("grad_accum", 1)
+
+
+def bound_rows(rows: list[dict]) -> list[dict]:
+    """One computed ``bound`` row per (rate, job, GA): exact data parallelism's inter-node payload per
+    optimizer step ((N-1) x trainable bytes in each direction over all uplinks, fp32 here) and the step
+    time it allows on that uplink, never less than the fastest engine's no-network step time."""
+    out = []
+    for rate, job_key in sorted({(r["rate_mbit"], _job_key(r)) for r in rows}, key=str):
+        same = [r for r in rows if _job_key(r) == job_key]
+        base = same[0]
+        nbytes = 2 * (base["nodes"] - 1) * base["trainable_params"] * 4
+        no_net = [r["step_time_s"] for r in same if r["rate_mbit"] == 0]
+        floor = min(no_net) if no_net else 0.0
+        wire_s = nbytes / base["nodes"] / (rate * 1e6 / 8) if rate else 0.0
+        step = max(floor, wire_s)
+        out.append({**{k: base[k] for k in ("job", "regime", "samples_per_step", "params", "trainable_params",
+                                              "no_backward_params", "world", "nodes", "grad_accum") if k in base},
+                    "engine": "bound", "rate_mbit": rate, "step_time_s": step,
+                    "samples_per_s": base["samples_per_step"] / step if step else None,
+                    "kernel_inter_node_bytes_per_step": nbytes, "counted_inter_node_bytes_per_step": nbytes,
+                    "host_cache_bytes_per_rank": 0, "device_cache_bytes_per_rank": 0, "peak_memory_bytes": 0,
+                    "computed": True})
+    return out
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Throughput ratios against ZeRO-3 and hpZ at the same rate, and against the no-network bound
-    (the fastest engine of that job on the unlimited network)."""
-    by = {(r["rate_mbit"], r["job"], r["engine"]): r for r in rows}
+    """Throughput and byte ratios against ZeRO-3, hpZ and the bound row at the same rate, and against
+    the no-network bound (the fastest engine of that job on the unlimited network)."""
+    by = {(r["rate_mbit"], _job_key(r), r["engine"]): r for r in rows}
     for r in rows:
-        for ref in ("zero3", "hpz"):
-            other = by.get((r["rate_mbit"], r["job"], ref))
-            r[f"speedup_vs_{ref}"] = r["samples_per_s"] / other["samples_per_s"] if other else None
-        bound = [x["samples_per_s"] for x in rows if x["job"] == r["job"] and x["rate_mbit"] == 0]
-        r["fraction_of_no_network_bound"] = r["samples_per_s"] / max(bound) if bound else None
+        for ref in ("zero3", "hpz", "bound"):
+            other = by.get((r["rate_mbit"], _job_key(r), ref))
+            ok = other is not None and other["samples_per_s"] and r["samples_per_s"]
+            r[f"speedup_vs_{ref}"] = r["samples_per_s"] / other["samples_per_s"] if ok else None
+            theirs = other["kernel_inter_node_bytes_per_step"] if other else 0
+            r[f"bytes_vs_{ref}"] = r["kernel_inter_node_bytes_per_step"] / theirs if theirs else None
+        measured = [x["samples_per_s"] for x in rows if _job_key(x) == _job_key(r) and x["rate_mbit"] == 0
+                    and not x.get("computed")]
+        r["fraction_of_no_network_bound"] = r["samples_per_s"] / max(measured) if measured and r["samples_per_s"] else None
         k = r["kernel_inter_node_bytes_per_step"]
-        r["counted_vs_kernel"] = r["counted_inter_node_bytes_per_step"] / k if k else None
+        r["counted_vs_kernel"] = r["counted_inter_node_bytes_per_step"] / k if k and not r.get("computed") else None
     return rows
 
 
@@ -175,7 +213,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    tasks = [(rate, job, rep, engine) for rate in spec.rates_mbit for job in spec.jobs
+    tasks = [(rate, job, ga, rep, engine) for rate in spec.rates_mbit for job in spec.jobs for ga in spec.grad_accums
              for rep in range(spec.repeats) for engine in spec.engines]
     bar = _progress(progress, len(tasks))
     started = time.time()
@@ -233,9 +271,11 @@ class _progress:
             self.bar.stop()
 
 
-COLUMNS = ["rate_mbit", "job", "engine", "regime", "step_time_s", "samples_per_s", "speedup_vs_zero3", "speedup_vs_hpz",
-           "fraction_of_no_network_bound", "kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
-           "counted_vs_kernel", "host_cache_bytes_per_rank", "device_cache_bytes_per_rank", "peak_memory_bytes"]
+COLUMNS = ["rate_mbit", "job", "grad_accum", "engine", "regime", "step_time_s", "samples_per_s", "speedup_vs_zero3",
+           "speedup_vs_hpz", "fraction_of_no_network_bound", "kernel_inter_node_bytes_per_step",
+           "counted_inter_node_bytes_per_step", "counted_vs_kernel", "bytes_vs_zero3", "bytes_vs_hpz", "bytes_vs_bound",
+           "host_cache_bytes_per_rank", "grad_buffer_host_bytes_per_rank", "device_cache_bytes_per_rank",
+           "peak_memory_bytes"]
 
 
 def write_results(rows: list[dict], meta: dict, out_dir: Path) -> None:
@@ -253,15 +293,21 @@ def _rate_label(rate: float) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| bandwidth | job | engine | step time (s) | samples/s | vs ZeRO-3 | vs hpZ | of no-network bound | "
-             "inter-node MB/step (kernel) | counted/kernel | cache host MiB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| bandwidth | job | GA | engine | step time (s) | samples/s | vs ZeRO-3 | vs hpZ | of no-network bound | "
+             "inter-node MB/step (kernel) | bytes vs ZeRO-3 | bytes vs hpZ | bytes vs bound | counted/kernel | "
+             "cache host MiB/rank | grad buffer MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for r in rows:
-        lines.append(f"| {_rate_label(r['rate_mbit'])} | {r['job']} | {r['engine']} | {r['step_time_s']:.3f} | "
-                     f"{r['samples_per_s']:.1f} | {fmt(r['speedup_vs_zero3'], '.2f')}x | {fmt(r['speedup_vs_hpz'], '.2f')}x | "
-                     f"{fmt(r['fraction_of_no_network_bound'], '.0%')} | {r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} | "
-                     f"{fmt(r['counted_vs_kernel'], '.3f')} | {r['host_cache_bytes_per_rank'] / 2**20:.1f} |")
+    order = {e: i for i, e in enumerate((*ENGINES, "bound"))}
+    for r in sorted(rows, key=lambda r: (r["rate_mbit"] == 0, r["rate_mbit"], r["job"], r.get("grad_accum", 1),
+                                         order.get(r["engine"], 9))):
+        lines.append(f"| {_rate_label(r['rate_mbit'])} | {r['job']} | {r.get('grad_accum', 1)} | {r['engine']} | "
+                     f"{r['step_time_s']:.3f} | {fmt(r['samples_per_s'], '.1f')} | {fmt(r['speedup_vs_zero3'], '.2f')}x | "
+                     f"{fmt(r['speedup_vs_hpz'], '.2f')}x | {fmt(r['fraction_of_no_network_bound'], '.0%')} | "
+                     f"{r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} | {fmt(r['bytes_vs_zero3'], '.3f')} | "
+                     f"{fmt(r['bytes_vs_hpz'], '.3f')} | {fmt(r['bytes_vs_bound'], '.2f')} | "
+                     f"{fmt(r['counted_vs_kernel'], '.3f')} | {r['host_cache_bytes_per_rank'] / 2**20:.1f} | "
+                     f"{r.get('grad_buffer_host_bytes_per_rank', 0) / 2**20:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,13 +318,14 @@ def plot(rows: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    jobs = sorted({r["job"] for r in rows}, key=lambda j: JOBS.index(j) if j in JOBS else 9)
+    jobs = sorted({_job_key(r) for r in rows}, key=lambda j: (JOBS.index(j[0]) if j[0] in JOBS else 9, j[1]))
     fig, axes = plt.subplots(2, len(jobs), figsize=(6 * len(jobs), 8), squeeze=False)
     rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"]})
     unlimited_x = (max(rates) * 4) if rates else 1
     for col, job in enumerate(jobs):
-        for engine, style in zip(ENGINES, ("o-", "s--", "^-")):
-            pts = sorted((r["rate_mbit"] or unlimited_x, r) for r in rows if r["job"] == job and r["engine"] == engine)
+        for engine, style in zip((*ENGINES, "bound"), ("o-", "s--", "^-", "D-", "k:")):
+            pts = sorted(((r["rate_mbit"] or unlimited_x, r) for r in rows
+                          if _job_key(r) == job and r["engine"] == engine and r["samples_per_s"]), key=lambda p: p[0])
             if not pts:
                 continue
             xs = [x for x, _ in pts]
@@ -290,7 +337,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_xticks(rates + [unlimited_x])
             ax.set_xticklabels([_rate_label(r) for r in rates] + ["unlimited"], rotation=30, fontsize=8)
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{job} ({rows[0]['regime']} release regime)")
+            ax.set_title(f"{job[0]}, GA {job[1]} ({rows[0]['regime']} release regime)")
             ax.grid(alpha=0.3)
             ax.legend()
         axes[1][col].set_xlabel("inter-node bandwidth per node uplink")
@@ -310,7 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lora-rank", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--grad-accum", default="1", help="gradient accumulation steps to sweep, e.g. 1,4")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per engine, interleaved")
@@ -321,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                      rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
                      engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
-                     micro_batch=args.micro_batch, grad_accum=args.grad_accum, warmup=args.warmup, steps=args.steps,
+                     micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")], warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
                      regime=args.regime)
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable

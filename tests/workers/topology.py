@@ -76,16 +76,18 @@ class MiniMPU:
 
 def megatron_layout(steps: int = 3, tp: int = 2, ranks_per_node: int = 4) -> dict:
     """TP=tp on the world: ZeRO's DP group is a strict subgroup; TP peers hold different weights and
-    data. Plain ZeRO-3, FCDP (node ∩ DP groups) and ZeRO++ hpZ (contiguous blocks) side by side."""
+    data. Plain ZeRO-3, FCDP (node ∩ DP groups) and ZeRO++ hpZ (contiguous blocks) side by side, and
+    FCDP with node gradient accumulation (node peers inside each DP group) against ZeRO-3 at GA 2."""
     setup(ranks_per_node)
     mpu = MiniMPU(tp)
     tp_rank = mpu.get_model_parallel_rank()
     import fcdp_deepspeed as fd
     fd.install()
     out = {}
-    for name in ("plain", "fcdp", "hpz"):
-        cfg = toy.ds_config(fcdp_block(ranks_per_node) if name == "fcdp" else None, regime="large",
-                            hpz=ranks_per_node // tp if name == "hpz" else 0)
+    blocks = {"fcdp": fcdp_block(ranks_per_node), "fcdp_node_ga2": fcdp_block(ranks_per_node, grad_accumulation="node")}
+    for name in ("plain", "fcdp", "hpz", "plain_ga2", "fcdp_node_ga2"):
+        cfg = toy.ds_config(blocks.get(name), regime="large", hpz=ranks_per_node // tp if name == "hpz" else 0,
+                            grad_accum=2 if name.endswith("_ga2") else 1)
         torch.manual_seed(100 + tp_rank)  # TP peers hold different values
         with deepspeed.zero.Init(config_dict_or_path=cfg, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group()):
             model = toy.ToyModel(32, 4)
