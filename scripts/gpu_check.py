@@ -5,7 +5,8 @@ simulated as 2 nodes x 2, with a ~270M-parameter MLP in the large-model release 
 reports per rank: peak ``torch.cuda.max_memory_allocated`` for plain ZeRO-3, FCDP host mode, FCDP
 device mode and ZeRO++ hpZ; whether the host pool is pinned; the asynchronous H2D copies issued
 from it; loss parity. Checks: FCDP host-mode peak within 5% of ZeRO-3's; hpZ / FCDP device mode
-add about M/L per rank.
+add about M/L per rank. Gradient modes at GA 2: FCDP host mode with ``grad_accumulation: node``
+(host buffer) against ZeRO-3 at GA 2: peak within 5%, losses within 1e-5.
 
     DS_ACCELERATOR=cuda python scripts/gpu_check.py [--hidden 4096 --layers 16 --steps 3]
 """
@@ -34,11 +35,12 @@ def rank_main(hidden: int, layers: int, steps: int) -> dict:
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=2)
     acc = get_accelerator()
     out = {"device": acc.device_name(), "name": torch.cuda.get_device_name(0)}
-    variants = {"zero3": (None, 0), "fcdp_host": ({"cache_device": "host"}, 0),
-                "fcdp_device": ({"cache_device": "device", "device_budget": "90%"}, 0), "hpz": (None, 2)}
-    for name, (extra, hpz) in variants.items():
+    variants = {"zero3": (None, 0, 1), "fcdp_host": ({"cache_device": "host"}, 0, 1),
+                "fcdp_device": ({"cache_device": "device", "device_budget": "90%"}, 0, 1), "hpz": (None, 2, 1),
+                "zero3_ga2": (None, 0, 2), "fcdp_node_ga2": ({"cache_device": "host", "grad_accumulation": "node"}, 0, 2)}
+    for name, (extra, hpz, ga) in variants.items():
         block = {"enabled": True, "ranks_per_node": 2, **extra} if extra is not None else None
-        cfg = toy.ds_config(block, regime="large", hpz=hpz, micro_batch=8)
+        cfg = toy.ds_config(block, regime="large", hpz=hpz, micro_batch=8, grad_accum=ga)
         torch.cuda.empty_cache()
         acc.reset_peak_memory_stats()
         engine = toy.build_engine(cfg, hidden=hidden, layers=layers)
@@ -50,7 +52,9 @@ def rank_main(hidden: int, layers: int, steps: int) -> dict:
                      "seconds": time.perf_counter() - t0,
                      **{k: stats.get(k) for k in ("pinned_pool_bytes", "host_pool_bytes", "device_pool_bytes",
                                                   "h2d_async_copies", "h2d_async_bytes", "cache_hits",
-                                                  "inter_node_allgather_bytes", "intra_node_allgather_bytes")}}
+                                                  "inter_node_allgather_bytes", "intra_node_allgather_bytes",
+                                                  "inter_node_grad_reduce_bytes", "grad_buffer_host_bytes",
+                                                  "grad_buffer_device_bytes")}}
         out["model_bytes"] = sum(p.ds_numel for p in engine.module.parameters()) * 4
         del engine
     return out
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     print(f"{'rank':>4} {'variant':<12} {'peak MiB':>10} {'vs ZeRO-3':>10} {'pinned MiB':>11} {'async H2D':>10}")
     for r, res in enumerate(results):
         base = res["zero3"]["peak_bytes"]
-        for name in ("zero3", "fcdp_host", "fcdp_device", "hpz"):
+        for name in ("zero3", "fcdp_host", "fcdp_device", "hpz", "zero3_ga2", "fcdp_node_ga2"):
             v = res[name]
             print(f"{r:>4} {name:<12} {v['peak_bytes'] / 2**20:>10.1f} {(v['peak_bytes'] - base) / 2**20:>+10.1f} "
                   f"{(v['pinned_pool_bytes'] or 0) / 2**20:>11.1f} {v['h2d_async_copies'] or 0:>10}")
@@ -82,6 +86,12 @@ def main(argv=None) -> int:
             "async H2D copies issued": (res["fcdp_host"]["h2d_async_copies"] or 0) > 0,
             "hpZ adds ~M/L": res["hpz"]["peak_bytes"] - base > 0.3 * model / 2,
             "losses identical": res["fcdp_host"]["losses"] == res["zero3"]["losses"] == res["fcdp_device"]["losses"],
+            "node accumulation (host buffer) peak within 5% of ZeRO-3 at GA 2":
+                abs(res["fcdp_node_ga2"]["peak_bytes"] - res["zero3_ga2"]["peak_bytes"]) <= 0.05 * res["zero3_ga2"]["peak_bytes"],
+            "node accumulation buffer on the host": (res["fcdp_node_ga2"]["grad_buffer_host_bytes"] or 0) > 0
+                                                    and not res["fcdp_node_ga2"]["grad_buffer_device_bytes"],
+            "node accumulation losses within 1e-5 of ZeRO-3": all(
+                abs(a - b) <= 1e-5 * abs(b) for a, b in zip(res["fcdp_node_ga2"]["losses"], res["zero3_ga2"]["losses"])),
         }
         for k, v in checks.items():
             print(f"     {'PASS' if v else 'FAIL'}: {k}")

@@ -199,3 +199,19 @@ def checkpoint_resume(ckpt_dir: str, ranks_per_node: int = 2, grad_accum: int = 
         engine.load_checkpoint(ckpt_dir, tag="s3")
         out[name] = toy.train(engine, 2, seed=5).losses
     return out
+
+
+def refusals(cases: list[dict]) -> list[str]:
+    """``deepspeed.initialize`` with each case's config; the error each one raised ("ok" if none)."""
+    setup(2)
+    out = []
+    for case in cases:
+        block = {"enabled": True, "ranks_per_node": 2, **case.get("fcdp", {})}
+        cfg = toy.ds_config(block, **case.get("zero", {}))
+        cfg.update(case.get("top", {}))
+        try:
+            toy.build_engine(cfg)
+            out.append("ok")
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            out.append(f"{type(err).__name__}: {err}")
+    return out
