@@ -52,7 +52,7 @@ from deepspeed.accelerator import get_accelerator
 import deepspeed.comm.comm as _comm_module
 from fcdp_deepspeed import faults
 from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.stats import EventCounters, fmt_bytes
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
 
 
@@ -109,6 +109,16 @@ def own_chunk_numel(numel: int, world: int, dp_rank: int) -> int:
     return max(0, min(p, numel - dp_rank * p))
 
 
+def fitting_prefix(sizes: Sequence[int], budget: int) -> int:
+    """How many of ``sizes``, taken in order, fit in ``budget`` (an order every rank shares)."""
+    used = 0
+    for count, size in enumerate(sizes):
+        if used + size > budget:
+            return count
+        used += size
+    return len(sizes)
+
+
 def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: int) -> torch.Tensor:
     """``[slot][tensor]`` buffer: slot s holds every tensor's chunk owned by DP rank ``order[s]``,
     zero-padded to ``chunk_numel``. Returns a (len(order), sum of chunk sizes) tensor."""
@@ -149,8 +159,8 @@ class NodeGradBuffer:
 
 
 @dataclass
-class GradCounters:
-    """Per-engine gradient-path events (thread-safe like the cache counters)."""
+class GradCounters(EventCounters):
+    """Per-engine gradient-path events."""
 
     accumulated: int = 0
     """Parameter gradients added to the node buffer (micro-steps that crossed no node boundary)."""
@@ -158,12 +168,6 @@ class GradCounters:
     """Parameter gradients handed to DeepSpeed's partitions after the inter-node stage."""
     flushed: int = 0
     """Of those, delivered at the end of the boundary backward (no gradient in that micro-step)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def bump(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
 
 
 class GradReducer:
@@ -205,40 +209,21 @@ class GradReducer:
             return
         params = sorted(params, key=lambda p: p.ds_id)
         self._params_by_id = {p.ds_id: p for p in params}
-        n, world = self.layout.nodes, self.layout.dp_size
-        numels = [n * chunk_numel(p.ds_numel, world) for p in params]
+        numels = [self.layout.nodes * chunk_numel(p.ds_numel, self.layout.dp_size) for p in params]
         itemsize = self.accumulation_dtype.itemsize
         on_device = self.config.grad_buffer_device == "device"
-        if on_device:
-            budget = self.config.grad_buffer_budget_spec.resolve(get_accelerator().available_memory(), 0.25)
-        else:
-            budget = self.config.grad_buffer_budget_spec.resolve(psutil.virtual_memory().available,
-                                                                 0.25) // self.layout.per_node
-        fits, used = 0, 0
-        for numel in numels:
-            if used + numel * itemsize > budget:
-                break
-            used += numel * itemsize
-            fits += 1
-        fits = self._agree_min(fits)
-        if fits:
-            try:
-                faults.maybe_fail(f"alloc_gradbuf_{'device' if on_device else 'host'}")
-                device = get_accelerator().current_device_name() if on_device else "cpu"
-                flat = torch.zeros(sum(numels[:fits]), dtype=self.accumulation_dtype, device=device)
-                if not on_device and self.config.pin_memory:
-                    flat = get_accelerator().pin_memory(flat)
-            except (RuntimeError, MemoryError, faults.InjectedFault):
-                flat = None
-            if self._agree_min(1 if flat is not None else 0) == 0:
-                flat, fits = None, 0
-            if flat is not None:
-                offset = 0
-                for p, numel in zip(params[:fits], numels):
-                    self.buffer.offsets[p.ds_id] = (offset, numel)
-                    offset += numel
-                self.buffer.flat = flat
-                self.buffer.device = "device" if on_device else "host"
+        budget = self._budget_bytes(on_device)
+        fits = self._agree_min(fitting_prefix([n * itemsize for n in numels], budget))
+        flat = self._allocate(sum(numels[:fits]), on_device) if fits else None
+        if fits and self._agree_min(1 if flat is not None else 0) == 0:
+            flat, fits = None, 0
+        if flat is not None:
+            offset = 0
+            for p, numel in zip(params[:fits], numels):
+                self.buffer.offsets[p.ds_id] = (offset, numel)
+                offset += numel
+            self.buffer.flat = flat
+            self.buffer.device = "device" if on_device else "host"
         self.unbuffered_bytes = sum(numels[fits:]) * itemsize
         if fits < len(params) and dist.get_rank() == 0:
             from deepspeed.utils import logger
@@ -247,6 +232,23 @@ class GradReducer:
                            f"rank but {fmt_bytes(budget)} is allowed (or allocation failed); {len(params) - fits} of "
                            f"{len(params)} trainable parameters ({fmt_bytes(self.unbuffered_bytes)}) are reduced across "
                            f"nodes on every micro-step instead. Raise {key} to buffer them.")
+
+    def _budget_bytes(self, on_device: bool) -> int:
+        """This rank's share: accelerator budget per rank, or the host budget per node split over its ranks."""
+        spec = self.config.grad_buffer_budget_spec
+        if on_device:
+            return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
+        return spec.resolve(psutil.virtual_memory().available, auto_fraction=0.25) // self.layout.per_node
+
+    def _allocate(self, numel: int, on_device: bool) -> Optional[torch.Tensor]:
+        """The buffer, allocated once (pinned on the host); ``None`` when allocation fails here."""
+        try:
+            faults.maybe_fail(f"alloc_gradbuf_{'device' if on_device else 'host'}")
+            flat = torch.zeros(numel, dtype=self.accumulation_dtype,
+                               device=get_accelerator().current_device_name() if on_device else "cpu")
+            return get_accelerator().pin_memory(flat) if not on_device and self.config.pin_memory else flat
+        except (RuntimeError, MemoryError, faults.InjectedFault):
+            return None
 
     def _agree_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())

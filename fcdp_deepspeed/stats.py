@@ -300,8 +300,20 @@ LEDGER = CommLedger()
 
 
 @dataclass
-class CacheCounters:
-    """Per-engine cache events. Thread-safe for the same reason as :class:`CommCounters`."""
+class EventCounters:
+    """Integer event counters bumped under one lock (backward runs on autograd threads)."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def bump(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+@dataclass
+class CacheCounters(EventCounters):
+    """Per-engine cache events."""
 
     hits: int = 0
     misses: int = 0
@@ -313,12 +325,6 @@ class CacheCounters:
     optimizer_steps: int = 0
     staged_copies: int = 0
     staged_bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def bump(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
 
     def invalidated(self, reason: str, count: int) -> None:
         with self._lock:

@@ -106,6 +106,8 @@ PARITY = [
     dict(name="zero_init_node_ga2", fcdp=NODE, grad_accum=2, zero_init=True),
     dict(name="offload_node_ga2", fcdp=NODE, grad_accum=2, zero={"offload_optimizer": {"device": "cpu"}}),
     dict(name="budget_node_ga4", fcdp={**NODE, "grad_buffer_budget": 8192}, grad_accum=4),
+    # the buffer cannot be allocated on rank 1: every rank falls back to per-micro-step reduction
+    dict(name="alloc_fault_node_ga2", fcdp=NODE, grad_accum=2, fault="alloc_gradbuf_host@1"),
 ]
 RTOL = 1e-5
 #: bf16 weights or bf16 communication: ZeRO-3 itself rounds each micro-step's reduction to bf16.
@@ -207,6 +209,47 @@ def test_buffer_over_budget_falls_back_per_parameter(parity_2x2):
     assert 0 < stats["grad_buffer_host_bytes"] <= 8192 // 2 and stats["grad_unbuffered_bytes"] > 0
     assert stats["grad_buffer_params"] < full["grad_buffer_params"]
     assert stats["inter_node_grad_reduce_bytes"] > full["inter_node_grad_reduce_bytes"]
+
+
+def test_buffer_allocation_failure_on_one_rank_degrades_everywhere(parity_2x2):
+    for per_rank in parity_2x2:
+        stats = per_rank["alloc_fault_node_ga2"]["fcdp"].stats
+        assert stats["grad_buffer_host_bytes"] == 0 and stats["grad_buffer_params"] == 0
+        assert stats["grad_accumulated"] == 0 and stats["grad_delivered"] > 0  # hierarchical, every micro-step
+
+
+def test_fitting_prefix():
+    from fcdp_deepspeed.grads import fitting_prefix
+    assert fitting_prefix([4, 4, 4], 8) == 2 and fitting_prefix([4, 4], 100) == 2 and fitting_prefix([9, 1], 8) == 0
+
+
+def test_layout_of_interleaved_nodes_matches_a_flat_reduce_scatter():
+    """Pure check of the chunk permutation on a layout whose nodes interleave ranks (nodes a: 0,3,4 and
+    b: 1,2,5): both stages, simulated in one process, give every rank the flat reduce-scatter's chunk."""
+    from fcdp_deepspeed.grads import build_layout, chunk_numel, own_chunk_numel, pack_chunks
+    nodes = {0: "a", 3: "a", 4: "a", 1: "b", 2: "b", 5: "b"}
+    dp = tuple(range(6))
+    layouts = {r: build_layout(dp, nodes, r) for r in dp}
+    torch.manual_seed(0)
+    grads = {r: [torch.randn(13), torch.randn(4, 5)] for r in dp}  # 13 and 20 elements: padded chunks
+    world, per_node = 6, 3
+    stage1 = {r: pack_chunks(grads[r], layouts[r].order, world) for r in dp}
+    for r in dp:
+        lay = layouts[r]
+        # stage 1: node position j receives block j of every node member's buffer, summed
+        node_sum = sum(stage1[m].view(per_node, -1)[lay.node_ranks.index(r)] for m in lay.node_ranks)
+        # stage 2: peer-group rank q receives row q of every peer's node sum
+        q = lay.peer_ranks.index(r)
+        peer_node_sums = {p: sum(stage1[m].view(per_node, -1)[layouts[p].node_ranks.index(p)]
+                                 for m in layouts[p].node_ranks) for p in lay.peer_ranks}
+        own = sum(peer_node_sums[p].view(len(lay.peer_ranks), -1)[q] for p in lay.peer_ranks)
+        offset = 0
+        for i, t in enumerate(grads[r]):
+            p_i = chunk_numel(t.numel(), world)
+            exact = sum(grads[m][i].reshape(-1) for m in dp)
+            n = own_chunk_numel(t.numel(), world, r)
+            assert torch.allclose(own[offset:offset + n], exact[r * p_i:r * p_i + n], atol=1e-5), (r, i)
+            offset += p_i
 
 
 def test_checkpoint_at_step_boundary_resumes(tmp_path):

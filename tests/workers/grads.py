@@ -173,7 +173,12 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
         runs = {}
         for mode in ("plain", "fcdp"):
             block = {"enabled": True, "ranks_per_node": ranks_per_node, **sc.get("fcdp", {})} if mode == "fcdp" else None
-            engine = build(sc, _config(sc, block))
+            if mode == "fcdp" and sc.get("fault"):
+                os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
+            try:
+                engine = build(sc, _config(sc, block))
+            finally:
+                os.environ.pop("FCDP_INJECT_FAULT", None)
             res = train(engine, sc)
             weights = toy.gather_weights(engine)
             res.weights = weights if dist.get_rank() == 0 else {}
