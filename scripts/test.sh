@@ -4,4 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh test,hf,bench
 export DS_ACCELERATOR=cpu
+# DeepSpeed JIT-builds a small CPU comm op (shm_comm) at init_distributed, under a file lock. Build it
+# once, single-process, in this venv (not the shared ~/.cache, where other venvs rebuild it and a killed
+# build leaves a lock), so no distributed test spends its deadline compiling.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
+timeout 900 python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null 2>&1 \
+    || echo "warning: prebuilding DeepSpeed's shm_comm op failed; the first distributed test will build it" >&2
 python -m pytest -ra "$@"
