@@ -219,18 +219,19 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
     started = time.time()
     runs: dict[tuple, list[dict]] = {}
     try:
-        for rate, job, rep, engine in tasks:
-            bar.update(f"{_rate_label(rate)}, {job}, {engine} (repeat {rep + 1}/{spec.repeats})")
-            one = asdict(spec) | {"engines": [engine]}
+        for rate, job, ga, rep, engine in tasks:
+            bar.update(f"{_rate_label(rate)}, {job}, GA {ga}, {engine} (repeat {rep + 1}/{spec.repeats})")
+            one = asdict(spec) | {"engines": [engine], "grad_accum": ga}
             with EmulatedCluster(spec.nodes, rate_mbit=rate or None, tag="b") as cluster:
                 record = run_local("fcdp_deepspeed.tools.bench:rank_main", spec.nodes * spec.ranks_per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
-            runs.setdefault((rate, job, engine), []).append(record)
+            runs.setdefault((rate, job, ga, engine), []).append(record)
             bar.advance()
     finally:
         bar.close()
-    for (rate, job, engine), repeats in runs.items():
+    for (rate, job, ga, engine), repeats in runs.items():
         rows.append(_combine(repeats, rate, spec))
+    rows += bound_rows(rows)
     add_ratios(rows)
     meta = {"spec": asdict(spec), "seconds": time.time() - started, "cpu_count": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -368,7 +369,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                      rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
                      engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
-                     micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")], warmup=args.warmup, steps=args.steps,
+                     micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
+                     warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
                      regime=args.regime)
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
