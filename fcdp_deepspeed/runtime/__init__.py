@@ -16,8 +16,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
 
 Entry states and slots belong to :class:`~fcdp_deepspeed.cache.NodeCache`; counters to
 :mod:`fcdp_deepspeed.stats`. The gradient path (hierarchical reduction, node-local accumulation) is
-the next part: a module beside ``fetch.py`` that shares the topology and budgets, routed from
-``stage3.py``'s reduction hooks.
+its own concern, :mod:`fcdp_deepspeed.grads`: it shares this runtime's topology and is routed from
+``stage3.py``'s reduction hooks (engines without an optimizer have no gradients).
 """
 from __future__ import annotations
 
