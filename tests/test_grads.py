@@ -106,6 +106,7 @@ PARITY = [
     dict(name="zero_init_node_ga2", fcdp=NODE, grad_accum=2, zero_init=True),
     dict(name="offload_node_ga2", fcdp=NODE, grad_accum=2, zero={"offload_optimizer": {"device": "cpu"}}),
     dict(name="budget_node_ga4", fcdp={**NODE, "grad_buffer_budget": 8192}, grad_accum=4),
+    dict(name="device_buffer_node_ga2", fcdp={**NODE, "grad_buffer_device": "device"}, grad_accum=2),
     # the buffer cannot be allocated on rank 1: every rank falls back to per-micro-step reduction
     dict(name="alloc_fault_node_ga2", fcdp=NODE, grad_accum=2, fault="alloc_gradbuf_host@1"),
 ]
@@ -201,6 +202,14 @@ def test_accumulation_buffer_is_reported_and_bounded(parity_2x2):
     assert lora["grad_buffer_host_bytes"] == adapters * 4 // 2
     gated = parity_2x2[0]["gated_last_node_ga4"]["fcdp"].stats
     assert gated["grad_flushed"] > 0  # the gated block's window sums were flushed at the end of backward
+
+
+def test_buffer_on_the_accelerator_when_asked(parity_2x2):
+    """``grad_buffer_device: device`` (on the CPU accelerator "device" memory is host memory: this checks
+    the accounting and the path, not accelerator memory figures)."""
+    stats = parity_2x2[0]["device_buffer_node_ga2"]["fcdp"].stats
+    assert stats["grad_buffer_device_bytes"] == parity_2x2[0]["node_ga4"]["fcdp"].stats["grad_buffer_host_bytes"]
+    assert stats["grad_buffer_host_bytes"] == 0 and stats["grad_accumulated"] > 0
 
 
 def test_buffer_over_budget_falls_back_per_parameter(parity_2x2):

@@ -90,10 +90,11 @@ def test_planner_reads_config(tmp_path, capsys):
     assert out["spec"]["grad_accum"] == 4 and out["spec"]["dtype_bytes"] == 2
 
 
-def test_committed_benchmark_run_matches_planner():
-    path = ROOT / "docs" / "bench_results.json"
+@pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json"])
+def test_committed_benchmark_run_matches_planner(name):
+    path = ROOT / "docs" / name
     if not path.exists():
-        pytest.skip("no committed benchmark run yet")
+        pytest.skip(f"no committed benchmark run {name} yet")
     check_rows(json.loads(path.read_text())["rows"])
 
 
