@@ -105,6 +105,8 @@ PARITY = [
     dict(name="default_regime_node_ga4", fcdp=NODE, grad_accum=4, regime="default"),
     dict(name="zero_init_node_ga2", fcdp=NODE, grad_accum=2, zero_init=True),
     dict(name="offload_node_ga2", fcdp=NODE, grad_accum=2, zero={"offload_optimizer": {"device": "cpu"}}),
+    dict(name="offload_both_node_ga2", fcdp=NODE, grad_accum=2,
+         zero={"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
     dict(name="budget_node_ga4", fcdp={**NODE, "grad_buffer_budget": 8192}, grad_accum=4),
     dict(name="device_buffer_node_ga2", fcdp={**NODE, "grad_buffer_device": "device"}, grad_accum=2),
     # the buffer cannot be allocated on rank 1: every rank falls back to per-micro-step reduction
