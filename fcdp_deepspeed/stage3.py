@@ -24,8 +24,6 @@ buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window
 """
 from __future__ import annotations
 
-import contextlib
-
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -34,7 +32,8 @@ from fcdp_deepspeed import grads
 from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
                                    parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
-from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER
+from fcdp_deepspeed.runtime.counting import count_plain_engine
+from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -52,21 +51,23 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
             check_grad_modes_compatible(ds_config, fcdp_config)
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
+        #: This engine's collectives from its creation on, with or without the cache (see get_stats).
+        self.fcdp_comm = CommCounters()
         super().__init__(module, init_optimizer, *args, **kwargs)
-        # Plain engines report process-wide collective bytes since this point (see get_stats).
-        self.fcdp_baseline = LEDGER.totals.copy()
         if fcdp_config.enabled:
             params = [p for group in self.fp16_groups for p in group]
             self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                    param_names=self.param_names).activate()
+                                    param_names=self.param_names, comm=self.fcdp_comm).activate()
             self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
                                                   [p for p in params if p.requires_grad],
                                                   self.gradient_accumulation_dtype,
                                                   self.is_gradient_accumulation_boundary)
+        else:
+            count_plain_engine(module, self.fcdp_comm, fcdp_config.ranks_per_node)
 
     # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
     def _attributed(self):
-        return LEDGER.attribute(self.fcdp.comm) if self.fcdp is not None else contextlib.nullcontext()
+        return LEDGER.attribute(self.fcdp_comm)
 
     def reduce_ready_partitions_and_remove_grads(self, param) -> None:
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
@@ -173,12 +174,14 @@ class FCDPZeROOffload(DeepSpeedZeRoOffload):
         if fcdp_config.enabled:
             check_ds_config_compatible(ds_config)
         self.fcdp: FCDPRuntime | None = None
+        self.fcdp_comm = CommCounters()
         super().__init__(module, *args, **kwargs)
-        self.fcdp_baseline = LEDGER.totals.copy()
         if fcdp_config.enabled:
             first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
             group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
-            self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, []).activate()
+            self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        else:
+            count_plain_engine(module, self.fcdp_comm, fcdp_config.ranks_per_node)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
     def checkpoint_event_prologue(self) -> None:
