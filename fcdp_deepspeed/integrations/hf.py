@@ -2,7 +2,8 @@
 
 DeepSpeed's monitor and FCDP's ``[fcdp]`` line do not reach where Trainer users look, so
 :class:`FCDPStatsCallback` adds ``fcdp/*`` entries (this rank's :func:`~fcdp_deepspeed.get_stats`
-counters) to the ``logs`` dict of every ``on_log`` event; the Trainer reports rank 0's.
+counters) to the ``logs`` dict of every ``on_log`` event (and to that event's ``state.log_history``
+entry); the Trainer reports rank 0's.
 
 Reporting callbacks read that same dict in list order, and the Trainer puts ``callbacks=[...]``
 *after* its own reporters, so the callback must be first: :func:`add_stats_callback` puts it there,
@@ -60,8 +61,14 @@ def callback_class() -> type:
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Optional[dict] = None, **kwargs: Any) -> None:
             optimizer = find_stage3(self.engine, kwargs.get("optimizer"))
-            if logs is not None and optimizer is not None:
-                logs.update(stats_for_logs(stats_of(optimizer)))
+            if logs is None or optimizer is None:
+                return
+            entries = stats_for_logs(stats_of(optimizer))
+            logs.update(entries)
+            # the Trainer appended a copy of this event's logs to the history just before: complete it too
+            history = getattr(state, "log_history", None)
+            if history and all(history[-1].get(k) == v for k, v in logs.items() if k not in entries):
+                history[-1].update(entries)
 
     FCDPStatsCallback.__module__ = __name__
     return FCDPStatsCallback
