@@ -13,7 +13,7 @@ from fcdp_deepspeed.engine_config import FCDPCheckedConfig
 from fcdp_deepspeed.grads import uninstall_dispatch
 from fcdp_deepspeed.integrations import hf as _hf
 from fcdp_deepspeed.monitor import RecordingMonitorMaster
-from fcdp_deepspeed.stage3 import FCDPStage3, FCDPZeROOffload
+from fcdp_deepspeed.stage3 import CountedStage3, CountedZeROOffload
 from fcdp_deepspeed.stats import LEDGER
 from fcdp_deepspeed.topology import discover_node_map
 
@@ -26,15 +26,17 @@ _ORIGINAL_CONFIG = deepspeed.DeepSpeedConfig
 def install() -> None:
     """Make ``deepspeed.initialize`` build FCDP's stage-3 classes. Idempotent.
 
-    Safe to call for any job: engines whose config has no enabled ``fcdp`` block run plain ZeRO-3.
-    The engine looks both classes up in these modules when it builds a ZeRO-3 engine: the
-    optimizer class (training) and the offload class (engines without an optimizer).
+    Safe to call for any job: engines whose config has no enabled ``fcdp`` block run DeepSpeed's
+    ZeRO-3 classes, subclassed only to count their collectives (``CountedStage3``,
+    ``CountedZeROOffload``); an enabled block gets ``FCDPStage3`` / ``FCDPZeROOffload``. The engine
+    looks both classes up in these modules when it builds a ZeRO-3 engine: the optimizer class
+    (training) and the offload class (engines without an optimizer).
     ``deepspeed.initialize`` parses its config with :class:`~fcdp_deepspeed.engine_config.FCDPCheckedConfig`,
     which refuses an enabled block under ZeRO stage 0-2. HF Trainers with an enabled block get
     :mod:`fcdp_deepspeed.integrations.hf`'s stats callback.
     """
-    _stage3_module.DeepSpeedZeroOptimizer_Stage3 = FCDPStage3
-    _engine_module.DeepSpeedZeRoOffload = FCDPZeROOffload
+    _stage3_module.DeepSpeedZeroOptimizer_Stage3 = CountedStage3
+    _engine_module.DeepSpeedZeRoOffload = CountedZeROOffload
     _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
     _autoload.when_imported("transformers.trainer", _hf.patch_trainer)
@@ -52,7 +54,7 @@ def uninstall() -> None:
 
 
 def is_installed() -> bool:
-    return _stage3_module.DeepSpeedZeroOptimizer_Stage3 is FCDPStage3
+    return _stage3_module.DeepSpeedZeroOptimizer_Stage3 is CountedStage3
 
 
 @functools.wraps(deepspeed.initialize)

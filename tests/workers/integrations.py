@@ -97,7 +97,8 @@ def _policy_and_reference_windows(policy_fcdp: bool, steps: int) -> dict:
         engine.step()
         s2 = snap()
         windows.append({"reference_forward": _deltas(s0, s1), "policy_step": _deltas(s1, s2)})
-    return {"windows": windows, "final": snap()}
+    return {"windows": windows, "final": snap(),
+            "classes": [type(engine.optimizer).__name__, type(ref_engine.optimizer).__name__]}
 
 
 def _deltas(before: dict, after: dict) -> dict:
