@@ -222,9 +222,15 @@ def _config_argument(signature: Any, args: tuple, kwargs: dict) -> Any:
     bound: dict = dict(kwargs)
     if signature is not None:
         try:
-            bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+            arguments = signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
-            pass
+            arguments = {}
+        for name, value in arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is kind.VAR_KEYWORD:
+                bound.update(value)
+            elif kind is not kind.VAR_POSITIONAL:
+                bound[name] = value
     config = bound.get("config") or bound.get("config_params")
     if config is None:
         config = getattr(bound.get("args"), "deepspeed_config", None)
