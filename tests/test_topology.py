@@ -118,3 +118,15 @@ def test_megatron_layout_tp2_on_2_nodes_x_4():
         assert r["fcdp"]["stats"]["cache_hits"] > 0
     # The layout is a real trap: hpZ's contiguous blocks pair TP peers and training diverges.
     assert any(r["hpz"].get("losses") != r["plain"]["losses"] for r in res)
+
+
+def test_plain_engine_layout_is_derived_without_a_collective():
+    from fcdp_deepspeed.topology import guess_node_map
+    assert guess_node_map({}, 4, ranks_per_node=2) == (("node0", "node0", "node1", "node1"),
+                                                       "fcdp.ranks_per_node (consecutive ranks per node)")
+    nodes, source = guess_node_map({"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, 4)  # torchrun's first
+    assert nodes == ("node0", "node0", "node1", "node1") and source.startswith("LOCAL_WORLD_SIZE")
+    assert guess_node_map({"LOCAL_SIZE": "4"}, 8)[0] == ("node0", ) * 4 + ("node1", ) * 4
+    for env, world in (({}, 4), ({"LOCAL_WORLD_SIZE": "3"}, 4)):  # unknown, or not dividing the world
+        nodes, source = guess_node_map(env, world)
+        assert nodes is None and "enable_comm_counting" in source
