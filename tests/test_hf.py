@@ -53,8 +53,9 @@ def test_full_finetune_matches_zero3_with_half_the_inter_node_traffic(runner):
 @pytest.mark.slow
 def test_trainer_logs_fcdp_counters_and_refuses_stage2():
     """With only the block in the Trainer's DeepSpeed config (no install(), no launch change): the stats
-    callback is added first, so reporters see fcdp/* in every log; FCDP's own log line follows
-    fcdp.log_interval although accelerate sets steps_per_print to infinity; no block or
+    callback is added first, so reporters see fcdp/* in every log; FCDP's own log line (shown with the
+    Trainer's log_level="info") and csv monitor rows follow fcdp.log_interval although accelerate sets
+    steps_per_print to infinity; no block or
     FCDP_HF_CALLBACK=0: no callback; ZeRO stage 2: refused when the Trainer builds the engine."""
     for rank, r in enumerate(run_ranks("hf:trainer_stats_runs", 4, timeout=600, ds_config=FULL_CFG)):
         assert r["installed"]

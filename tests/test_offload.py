@@ -5,10 +5,9 @@ parity tests. One process group runs every scenario (module-scoped fixture)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import run_ranks
-from test_parity import step_deltas
+from test_parity import assert_weights_bit_identical, step_deltas
 
 OFFLOADS = {
     "optimizer": {"offload_optimizer": {"device": "cpu"}},
@@ -33,10 +32,7 @@ def test_offload_losses_and_weights_bit_identical(results, name):
         assert fcdp.losses == plain.losses, (plain.losses, fcdp.losses)
         stats = fcdp.stats
         assert stats["cache_hits"] > 0 and stats["uncached_params"] == 0, stats
-    plain, fcdp = results[0][name]["plain"].weights, results[0][name]["fcdp"].weights
-    assert plain.keys() == fcdp.keys() and plain
-    for key in plain:
-        assert torch.equal(plain[key], fcdp[key]), key
+    assert_weights_bit_identical(results[0][name])
 
 
 @pytest.mark.parametrize("name", NAMES)
