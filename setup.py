@@ -1,18 +1,82 @@
 """fcdp-deepspeed: Fully Cached Data Parallel (node-local parameter cache) for DeepSpeed ZeRO-3."""
+import os
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 # The DeepSpeed releases the hooks were tested against (checked again at import).
 DEEPSPEED_PIN = "deepspeed==0.19.8"
 # This exact pin installs a CPU build from local disk here; a looser spec pulls a CUDA build.
 TORCH_PIN = "torch==2.13.0"
 
+# Config-key-only activation (see fcdp_deepspeed_autoload.py): Python's `site` runs this line at every
+# interpreter start. It must sit in site-packages itself, for wheel and editable installs alike.
+AUTOLOAD_PTH = "fcdp_deepspeed_autoload.pth"
+AUTOLOAD_LINE = "import fcdp_deepspeed_autoload; fcdp_deepspeed_autoload.startup()\n"
+
+
+class BuildPyWithAutoload(build_py):
+    """Wheels: the startup file goes to the root of build_lib, i.e. into site-packages."""
+
+    def run(self):
+        super().run()
+        if not self.editable_mode:  # editable wheels get it from EditableWheelWithAutoload
+            with open(os.path.join(self.build_lib, AUTOLOAD_PTH), "w") as f:
+                f.write(AUTOLOAD_LINE)
+
+    def get_outputs(self, include_bytecode=1):
+        extra = [] if self.editable_mode else [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+        return super().get_outputs(include_bytecode) + extra
+
+
+cmdclass = {"build_py": BuildPyWithAutoload}
+try:
+    from setuptools.command.editable_wheel import editable_wheel
+except ImportError:  # setuptools < 64: `pip install -e` runs `develop`, which has no startup file
+    editable_wheel = None
+
+if editable_wheel is not None:
+
+    class _StrategyWithAutoload:
+        """Wraps setuptools' editable strategy: its files, plus the startup file at the wheel root
+        (no editable strategy copies build_lib files there, and a .pth only works in site-packages)."""
+
+        def __init__(self, strategy):
+            self.strategy = strategy
+
+        def __call__(self, wheel, files, mapping):
+            self.strategy(wheel, files, mapping)
+            wheel.writestr(AUTOLOAD_PTH, AUTOLOAD_LINE.encode())
+
+        def __enter__(self):
+            self.strategy.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.strategy.__exit__(*exc)
+
+    class EditableWheelWithAutoload(editable_wheel):
+        """PEP 660 editable installs (``pip install -e .``) with the startup file."""
+
+        def run(self):
+            if not hasattr(editable_wheel, "_select_strategy"):
+                print(f"WARNING: this setuptools has no editable_wheel._select_strategy; {AUTOLOAD_PTH} is not "
+                      f"installed, so the fcdp block needs fcdp_deepspeed.install() or `-m fcdp_deepspeed.run`.")
+            super().run()
+
+        def _select_strategy(self, name, tag, build_lib):
+            return _StrategyWithAutoload(super()._select_strategy(name, tag, build_lib))
+
+    cmdclass["editable_wheel"] = EditableWheelWithAutoload
+
 setup(
     name="fcdp-deepspeed",
     version="0.1.0",
     description="Fully Cached Data Parallel: a node-local parameter cache for DeepSpeed ZeRO-3 on slow inter-node links",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fcdp_deepspeed", "fcdp_deepspeed.*"]),
+    py_modules=["fcdp_deepspeed_autoload"],
     python_requires=">=3.10",
     install_requires=[TORCH_PIN, DEEPSPEED_PIN, "pydantic>=2", "hjson", "psutil", "py-cpuinfo"],
     extras_require={
@@ -21,4 +85,5 @@ setup(
         "hf": ["transformers", "peft", "accelerate"],
     },
     entry_points={"console_scripts": ["fcdp=fcdp_deepspeed.tools.cli:main"]},
+    cmdclass=cmdclass,
 )

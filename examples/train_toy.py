@@ -1,13 +1,15 @@
 """A plain DeepSpeed ZeRO-3 training script with no FCDP code in it.
 
-Run it unchanged with FCDP through the zero-code-change entry:
+With fcdp-deepspeed installed, the ``"fcdp"`` block in the config is all it takes (the package's
+startup hook installs FCDP when DeepSpeed is imported); without the block it is plain ZeRO-3:
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 examples/train_toy.py --deepspeed_config configs/toy_fcdp.json
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 4 examples/train_toy.py --deepspeed_config configs/toy_fcdp.json
+
+With the hook off (``FCDP_AUTOLOAD=0``), the module entry installs FCDP instead:
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 4 -m fcdp_deepspeed.run examples/train_toy.py \\
         --deepspeed_config configs/toy_fcdp.json
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 4 --module fcdp_deepspeed.run examples/train_toy.py \\
-        --deepspeed_config configs/toy_fcdp.json
-
-and without it (plain ZeRO-3): ``torchrun --nproc_per_node 4 examples/train_toy.py ...``.
 """
 import argparse
 import json

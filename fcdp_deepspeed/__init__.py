@@ -1,7 +1,10 @@
 """fcdp-deepspeed: Fully Cached Data Parallel for DeepSpeed ZeRO-3.
 
-Add ``"fcdp": {"enabled": true}`` to a ZeRO-3 DeepSpeed config and call :func:`install` once
-before building the model (or use :func:`initialize` instead of ``deepspeed.initialize``).
+Add ``"fcdp": {"enabled": true}`` to a ZeRO-3 DeepSpeed config. Once this package is pip-installed
+that is all: its startup hook (``fcdp_deepspeed_autoload``) calls :func:`install` when a process
+imports DeepSpeed. Without the hook (``FCDP_AUTOLOAD=0``), call :func:`install` once before building
+the model, use :func:`initialize` instead of ``deepspeed.initialize``, or launch with
+``python -m fcdp_deepspeed.run``.
 """
 from __future__ import annotations
 
@@ -20,3 +23,7 @@ __all__ = [
     "install", "uninstall", "is_installed", "initialize", "get_stats", "enable_comm_counting", "FCDPConfig",
     "FCDPConfigError", "TopologyError", "StaleCacheError", "parse_fcdp_config", "__version__"
 ]
+
+import fcdp_deepspeed_autoload as _autoload  # noqa: E402
+
+_autoload.package_ready()  # the startup hook saw this import bring in DeepSpeed: install now

@@ -2,20 +2,15 @@
 
 FCDP hooks private DeepSpeed internals (the stage-3 secondary-tensor path, the optimizer's
 invalidation events). Those move between releases, so the plugin only runs on releases it was
-tested against unless the user explicitly opts out.
+tested against unless the user explicitly opts out. The list lives in the startup hook module,
+which must decide before importing this package (see ``fcdp_deepspeed_autoload``).
 """
 from __future__ import annotations
 
-import os
+from fcdp_deepspeed_autoload import (ALLOW_UNTESTED_ENV, TESTED_DEEPSPEED_VERSIONS, UnsupportedDeepSpeedVersion,
+                                     untested_message, version_is_tested)
 
-#: DeepSpeed releases the hooks were verified against (parity and traffic tests).
-TESTED_DEEPSPEED_VERSIONS = ("0.19.8", )
-#: Set to 1 to run on an untested DeepSpeed release anyway (at your own risk).
-ALLOW_UNTESTED_ENV = "FCDP_ALLOW_UNTESTED_DEEPSPEED"
-
-
-class UnsupportedDeepSpeedVersion(ImportError):
-    """Raised at import when the installed DeepSpeed release was never tested with FCDP."""
+__all__ = ["ALLOW_UNTESTED_ENV", "TESTED_DEEPSPEED_VERSIONS", "UnsupportedDeepSpeedVersion", "check_deepspeed_version"]
 
 
 def check_deepspeed_version(version: str | None = None) -> str:
@@ -27,10 +22,6 @@ def check_deepspeed_version(version: str | None = None) -> str:
     if version is None:
         import deepspeed
         version = deepspeed.__version__
-    base = version.split("+")[0]
-    if base in TESTED_DEEPSPEED_VERSIONS or os.environ.get(ALLOW_UNTESTED_ENV, "") == "1":
+    if version_is_tested(version):
         return version
-    raise UnsupportedDeepSpeedVersion(
-        f"fcdp-deepspeed was tested with deepspeed=={', '.join(TESTED_DEEPSPEED_VERSIONS)} but "
-        f"deepspeed=={version} is installed. Fix: `pip install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}`, "
-        f"or set {ALLOW_UNTESTED_ENV}=1 to run untested (verify parity with `\"verify\": true`).")
+    raise UnsupportedDeepSpeedVersion(untested_message(version))

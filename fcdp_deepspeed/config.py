@@ -7,6 +7,7 @@ typo fails with the same strictness as DeepSpeed's own blocks, but errors are re
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 FCDP_KEY = "fcdp"
+#: ``fcdp.log_interval`` when neither it nor a finite ``steps_per_print`` is set.
+DEFAULT_LOG_INTERVAL = 10
 
 
 class FCDPConfigError(ValueError):
@@ -129,6 +132,11 @@ class FCDPConfig(DeepSpeedConfigModel):
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
 
+    log_interval: Optional[int] = Field(None, ge=0)
+    """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
+    DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
+    HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
+
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
@@ -169,6 +177,14 @@ class FCDPConfig(DeepSpeedConfigModel):
     def grad_modes_active(self) -> bool:
         """Whether gradients leave DeepSpeed's flat, per-rank path (summation order changes)."""
         return self.grad_reduce != "flat" or self.grad_accumulation != "rank"
+
+    def resolved_log_interval(self, steps_per_print: Any) -> int:
+        """``log_interval``, or its default given DeepSpeed's ``steps_per_print`` (see the field)."""
+        if self.log_interval is not None:
+            return self.log_interval
+        finite = isinstance(steps_per_print, (int, float)) and not isinstance(steps_per_print, bool) and \
+            math.isfinite(steps_per_print) and steps_per_print >= 1 and float(steps_per_print).is_integer()
+        return int(steps_per_print) if finite else DEFAULT_LOG_INTERVAL
 
     @property
     def verify_rate(self) -> float:

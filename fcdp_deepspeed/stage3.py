@@ -1,8 +1,10 @@
-"""The DeepSpeed hook: a stage-3 optimizer subclass that owns the cache's invalidation events.
+"""The DeepSpeed hook: stage-3 optimizer subclasses; FCDP's owns the cache's invalidation events.
 
-``deepspeed.initialize`` builds this class instead of ``DeepSpeedZeroOptimizer_Stage3`` once
-:func:`fcdp_deepspeed.install` ran (the engine imports the class from its module at call time).
-Without an enabled ``fcdp`` block it behaves exactly like its parent.
+``deepspeed.initialize`` builds :class:`CountedStage3` instead of ``DeepSpeedZeroOptimizer_Stage3``
+once :func:`fcdp_deepspeed.install` ran (the engine imports the class from its module at call time);
+its ``__new__`` builds :class:`FCDPStage3` when the config enables ``fcdp``, so only those jobs run
+FCDP's overrides. The optimizer-less engine gets :class:`CountedZeROOffload` / :class:`FCDPZeROOffload`
+the same way. Both plain classes only count the engine's collectives (``get_stats``).
 
 Invalidation events (every path that writes a parameter's bit16 value):
 
@@ -24,8 +26,6 @@ buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window
 """
 from __future__ import annotations
 
-import contextlib
-
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -34,15 +34,59 @@ from fcdp_deepspeed import grads
 from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
                                    parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
-from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER
+from fcdp_deepspeed.runtime.counting import count_plain_engine
+from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 assert hasattr(DeepSpeedZeroOptimizer_Stage3, _AVG_SCATTER), "DeepSpeed's stage-3 gradient path moved"
 
 
-class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
-    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (when enabled)."""
+def _block_enabled(kwargs: dict) -> bool:
+    """Whether the config DeepSpeed hands the stage-3 class (``ds_config=``) enables ``fcdp``."""
+    return parse_fcdp_config(load_ds_config(kwargs.get("ds_config"))).enabled
+
+
+class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
+    """What ``deepspeed.initialize`` builds for ZeRO-3 after :func:`~fcdp_deepspeed.install`:
+    DeepSpeed's optimizer, unchanged except that this engine's collectives are counted for
+    ``get_stats`` (parameter gathers, gradient reduction, the step). With an enabled ``fcdp`` block,
+    ``__new__`` builds :class:`FCDPStage3` instead, so jobs without the block never run FCDP's code."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is CountedStage3 and _block_enabled(kwargs):
+            cls = FCDPStage3  # a subclass: Python then runs FCDPStage3.__init__ with the same arguments
+        return super().__new__(cls)
+
+    def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
+        #: This engine's collectives from its creation on, with or without the cache (see get_stats).
+        self.fcdp_comm = CommCounters()
+        super().__init__(module, init_optimizer, *args, **kwargs)
+        self._attach(module, load_ds_config(kwargs.get("ds_config")))
+
+    def _attach(self, module, ds_config: dict) -> None:
+        """After DeepSpeed built the optimizer: attribute the parameters' gathers to this engine."""
+        count_plain_engine(module, self.fcdp_comm, parse_fcdp_config(ds_config).ranks_per_node)
+
+    # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
+    def _attributed(self):
+        return LEDGER.attribute(self.fcdp_comm)
+
+    def reduce_ready_partitions_and_remove_grads(self, param) -> None:
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
+            super().reduce_ready_partitions_and_remove_grads(param)
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
+            super().independent_gradient_partition_epilogue()
+
+    def step(self, closure=None):
+        with self._attributed():
+            return super().step(closure)
+
+
+class FCDPStage3(CountedStage3):
+    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
         ds_config = load_ds_config(kwargs.get("ds_config"))
@@ -53,24 +97,18 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
-        # Plain engines report process-wide collective bytes since this point (see get_stats).
-        self.fcdp_baseline = LEDGER.totals.copy()
-        if fcdp_config.enabled:
-            params = [p for group in self.fp16_groups for p in group]
-            self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                    param_names=self.param_names).activate()
-            self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
-                                                  [p for p in params if p.requires_grad],
-                                                  self.gradient_accumulation_dtype,
-                                                  self.is_gradient_accumulation_boundary)
 
-    # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
-    def _attributed(self):
-        return LEDGER.attribute(self.fcdp.comm) if self.fcdp is not None else contextlib.nullcontext()
-
-    def reduce_ready_partitions_and_remove_grads(self, param) -> None:
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
-            super().reduce_ready_partitions_and_remove_grads(param)
+    def _attach(self, module, ds_config: dict) -> None:
+        fcdp_config = parse_fcdp_config(ds_config)
+        if not fcdp_config.enabled:  # FCDPStage3 built directly with a disabled block: plain, counted
+            return super()._attach(module, ds_config)
+        params = [p for group in self.fp16_groups for p in group]
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
+                                param_names=self.param_names, comm=self.fcdp_comm).activate()
+        self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
+                                              [p for p in params if p.requires_grad],
+                                              self.gradient_accumulation_dtype,
+                                              self.is_gradient_accumulation_boundary)
 
     def independent_gradient_partition_epilogue(self) -> None:
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
@@ -160,7 +198,25 @@ class FCDPStage3(DeepSpeedZeroOptimizer_Stage3):
         super().checkpoint_event_epilogue()
 
 
-class FCDPZeROOffload(DeepSpeedZeRoOffload):
+class CountedZeROOffload(DeepSpeedZeRoOffload):
+    """The optimizer-less stage-3 engine (inference, reference models) after ``install()``: DeepSpeed's,
+    with its parameter gathers counted; ``__new__`` builds :class:`FCDPZeROOffload` for enabled blocks."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is CountedZeROOffload and _block_enabled(kwargs):
+            cls = FCDPZeROOffload
+        return super().__new__(cls)
+
+    def __init__(self, module, *args, **kwargs) -> None:
+        self.fcdp_comm = CommCounters()
+        super().__init__(module, *args, **kwargs)
+        self._attach(module, load_ds_config(kwargs.get("ds_config")))
+
+    def _attach(self, module, ds_config: dict) -> None:
+        count_plain_engine(module, self.fcdp_comm, parse_fcdp_config(ds_config).ranks_per_node)
+
+
+class FCDPZeROOffload(CountedZeROOffload):
     """The optimizer-less stage-3 engine (inference, reference models) with the node cache.
 
     Nothing trains these parameters, so after the first forward every fetch is served from the
@@ -169,16 +225,18 @@ class FCDPZeROOffload(DeepSpeedZeRoOffload):
 
     def __init__(self, module, *args, **kwargs) -> None:
         ds_config = load_ds_config(kwargs.get("ds_config"))
-        fcdp_config = parse_fcdp_config(ds_config)
-        if fcdp_config.enabled:
+        if parse_fcdp_config(ds_config).enabled:
             check_ds_config_compatible(ds_config)
         self.fcdp: FCDPRuntime | None = None
         super().__init__(module, *args, **kwargs)
-        self.fcdp_baseline = LEDGER.totals.copy()
-        if fcdp_config.enabled:
-            first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
-            group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
-            self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, []).activate()
+
+    def _attach(self, module, ds_config: dict) -> None:
+        fcdp_config = parse_fcdp_config(ds_config)
+        if not fcdp_config.enabled:
+            return super()._attach(module, ds_config)
+        first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
+        group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
     def checkpoint_event_prologue(self) -> None:

@@ -192,14 +192,24 @@ class CommLedger:
         self.totals = CommCounters()
         self._local = threading.local()
         self._node_of_rank: Optional[Sequence[str]] = None
+        #: Where the node layout came from; ``guessed`` layouts (no collective) yield to discovered ones.
+        self.layout_source: str = "none"
+        self._guessed = True
         self._group_cache: dict[int, tuple[tuple[int, ...], int]] = {}
         self._originals: dict[str, Callable] = {}
         self._backend: Any = None
 
     # -- installation ------------------------------------------------------------------------
-    def install(self, node_of_rank: Sequence[str]) -> None:
-        """Wrap the backend's collectives (idempotent); ``node_of_rank`` classifies groups."""
-        self._node_of_rank = tuple(node_of_rank)
+    def install(self, node_of_rank: Optional[Sequence[str]], source: str = "discovered", guessed: bool = False) -> None:
+        """Wrap the backend's collectives (idempotent); ``node_of_rank`` classifies groups.
+
+        A ``guessed`` layout (derived without a collective, for plain ZeRO-3 engines) never replaces
+        one discovered by a collective (FCDP engines, :func:`~fcdp_deepspeed.enable_comm_counting`).
+        """
+        if not guessed or self._guessed:
+            self._node_of_rank = tuple(node_of_rank) if node_of_rank is not None else None
+            self.layout_source = source
+            self._guessed = guessed
         backend = _comm_module.cdb
         if self._backend is backend:
             return

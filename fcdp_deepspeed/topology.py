@@ -60,6 +60,28 @@ def node_identity_from_env(env: Mapping[str, str], rank: int, ranks_per_node: Op
     return NodeIdentity(hostname or socket.gethostname(), "hostname", expected)
 
 
+def guess_node_map(env: Mapping[str, str], world: int,
+                   ranks_per_node: Optional[int] = None) -> tuple[Optional[tuple[str, ...]], str]:
+    """Every rank's node id without a collective, for counting a plain ZeRO-3 engine's traffic.
+
+    ``ranks_per_node`` (the block's, even when disabled), else the launcher's local size, each read
+    as blocks of consecutive global ranks (how torchrun and the deepspeed launcher number ranks).
+    ``(None, reason)`` when neither is known or the size does not divide the world.
+    Why no collective: a plain engine's creation must not gain one (FCDP engines discover the layout
+    with ``discover_node_map``, which replaces a guess).
+    """
+    size, source = ranks_per_node, "fcdp.ranks_per_node"
+    if size is None:
+        for var in LOCAL_SIZE_VARS:
+            value = env.get(var, "")
+            if value.isdigit() and int(value) > 0:
+                size, source = int(value), var
+                break
+    if size is None or world % size != 0:
+        return None, "unknown (no launcher local size; call fcdp_deepspeed.enable_comm_counting())"
+    return tuple(f"node{r // size}" for r in range(world)), f"{source} (consecutive ranks per node)"
+
+
 def derive_node_groups(node_of_rank: Mapping[int, str], dp_groups: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
     """Intersect every DP group with every node; check each DP group has a uniform L.
 

@@ -123,3 +123,32 @@ def test_every_core_module_imports_with_the_tooling_unimportable():
                           capture_output=True, text=True, timeout=300, cwd=str(PACKAGE_DIR.parent))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "core imported without the tooling" in proc.stdout
+
+
+AUTOLOAD = PACKAGE_DIR.parent / "fcdp_deepspeed_autoload.py"
+
+
+def test_startup_hook_imports_only_the_standard_library():
+    """``fcdp_deepspeed_autoload`` runs at every interpreter start (its .pth line): it may import nothing
+    but the standard library, at module level or inside its functions, except the package itself when
+    DeepSpeed was imported (and hjson, DeepSpeed's own config reader, for a non-JSON config path)."""
+    allowed_lazily = {"fcdp_deepspeed", "hjson"}
+    names = imported_names(AUTOLOAD, "fcdp_deepspeed_autoload")
+    top = {n.split(".")[0] for n in names if n}
+    assert not {n for n in top if n not in sys.stdlib_module_names and n not in allowed_lazily}, top
+    module_level = set()
+    for node in ast.parse(AUTOLOAD.read_text()).body:
+        if isinstance(node, ast.Import):
+            module_level.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module_level.add((node.module or "").split(".")[0])
+    assert module_level <= {"__future__", "_thread", "os", "sys"}, module_level
+
+
+def test_integrations_import_their_framework_only_when_used():
+    code = ("import sys, fcdp_deepspeed.integrations.hf as hf; assert 'transformers' not in sys.modules, 'at import'; "
+            "hf.FCDPStatsCallback; assert 'transformers' in sys.modules; print('ok')")
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(PACKAGE_DIR.parent))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -101,3 +101,35 @@ def test_version_gate(monkeypatch):
         check_deepspeed_version("0.20.1")
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     assert check_deepspeed_version("0.20.1") == "0.20.1"
+
+
+def test_log_interval_defaults_to_finite_steps_per_print_else_10():
+    from fcdp_deepspeed.config import DEFAULT_LOG_INTERVAL, FCDPConfig
+    plain = FCDPConfig()
+    assert DEFAULT_LOG_INTERVAL == 10
+    assert [plain.resolved_log_interval(v) for v in (5, 5.0, None, float("inf"), 0, -1, 2.5, True, "10")] == \
+        [5, 5, 10, 10, 10, 10, 10, 10, 10]
+    assert FCDPConfig(log_interval=3).resolved_log_interval(float("inf")) == 3
+    assert FCDPConfig(log_interval=0).resolved_log_interval(7) == 0  # off
+    with pytest.raises(FCDPConfigError, match="log_interval"):
+        parse_fcdp_config({"fcdp": {"enabled": True, "log_interval": -1}})
+
+
+def test_hf_log_entries_from_stats():
+    from fcdp_deepspeed.integrations.hf import find_stage3, stats_for_logs
+    stats = {"inter_node_allgather_bytes": 10, "intra_node_allgather_bytes": 20, "host_cache_bytes": 3,
+             "device_cache_bytes": 0, "cache_hits": 3, "cache_misses": 1, "other": 5}
+    assert stats_for_logs(stats) == {"fcdp/inter_node_allgather_bytes": 10, "fcdp/intra_node_allgather_bytes": 20,
+                                     "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75}
+    assert stats_for_logs({})["fcdp/cache_hit_rate"] == 0.0
+
+    class Z3:
+        fcdp_comm = object()
+
+    class Wrapper:  # accelerate's DeepSpeedOptimizerWrapper holds the engine's optimizer as .optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    z3 = Z3()
+    assert find_stage3(None, Wrapper(z3)) is z3 and find_stage3(Wrapper(Wrapper(z3))) is z3
+    assert find_stage3(None, Wrapper(object())) is None

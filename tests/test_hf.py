@@ -63,3 +63,34 @@ def test_trainer_with_node_gradient_accumulation_matches_zero3():
         assert len(n["losses"]) == len(p["losses"]) == 6
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(n["losses"], p["losses"])), (n["losses"], p["losses"])
         assert n["stats"]["inter_node_grad_reduce_bytes"] < 0.2 * p["stats"]["inter_node_grad_reduce_bytes"]
+
+
+def test_trainer_logs_fcdp_counters_and_refuses_stage2():
+    """With only the block in the Trainer's DeepSpeed config (no install(), no launch change): the stats
+    callback is added first, so reporters see fcdp/* in every log; FCDP's own log line (shown with the
+    Trainer's log_level="info") and csv monitor rows follow fcdp.log_interval although accelerate sets
+    steps_per_print to infinity; no block or
+    FCDP_HF_CALLBACK=0: no callback; ZeRO stage 2: refused when the Trainer builds the engine."""
+    for rank, r in enumerate(run_ranks("hf:trainer_stats_runs", 4, timeout=600, ds_config=FULL_CFG)):
+        assert r["installed"]
+        on = r["enabled"]
+        assert on["callbacks"][0] == "FCDPStatsCallback", on["callbacks"]
+        train_logs = [s for s in on["seen"] if "loss" in s]
+        assert len(train_logs) == 4 and all("fcdp/inter_node_allgather_bytes" in s for s in on["seen"])
+        inter = [s["fcdp/inter_node_allgather_bytes"] for s in train_logs]
+        assert inter == sorted(inter) and inter[0] > 0 and inter[-1] == on["stats"]["inter_node_allgather_bytes"]
+        assert all(0 < s["fcdp/cache_hit_rate"] <= 1 for s in train_logs)
+        # a full fine-tune's step invalidates every slice: the cache is empty when the Trainer logs
+        assert all(s["fcdp/host_cache_bytes"] == s["fcdp/device_cache_bytes"] == 0 for s in train_logs)
+        assert all(s["fcdp/inter_node_grad_reduce_bytes"] > 0 for s in train_logs)
+        assert [h["fcdp/inter_node_allgather_bytes"] for h in on["history"] if "loss" in h] == inter
+        assert on["steps_per_print"] == float("inf")  # accelerate's setting
+        if rank == 0:
+            assert [line.split(":")[0] for line in on["fcdp_lines"]] == ["[fcdp] step 2", "[fcdp] step 4"], on["fcdp_lines"]
+            assert [row.split(",")[0] for row in on["monitor_csv"]] == ["step", "2", "4"], on["monitor_csv"]
+        for name in ("plain", "opt_out"):
+            assert "FCDPStatsCallback" not in r[name]["callbacks"]
+            assert not any(k.startswith("fcdp/") for s in r[name]["seen"] for k in s)
+        assert r["opt_out"]["stats"]["cache_hits"] > 0  # opting out of the callback keeps FCDP
+        assert r["stage2"]["error"].startswith("FCDPConfigError: fcdp requires ZeRO stage 3"), r["stage2"]
+        assert "got stage 2" in r["stage2"]["error"]

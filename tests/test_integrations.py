@@ -35,8 +35,8 @@ def _config(tmp: Path, fcdp_block) -> str:
     return str(path)
 
 
-def _launch(cmd: list[str], out: Path) -> list[dict]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning")
+def _launch(cmd: list[str], out: Path, **env_extra: str) -> list[dict]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning", **env_extra)
     # own session: on a timeout the launcher *and* its ranks are killed (a launcher killed alone
     # leaves its ranks running)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
@@ -64,10 +64,13 @@ def tmp(tmp_path):
 
 
 def test_run_module_under_torchrun_matches_plain(tmp):
+    """With the startup hook off (FCDP_AUTOLOAD=0), ``-m fcdp_deepspeed.run`` alone turns FCDP on, and the
+    same script and config without it is DeepSpeed's own ZeRO-3."""
     cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
     fcdp = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "a.json")]),
-                   tmp / "a.json")
-    plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "b.json")]), tmp / "b.json")
+                   tmp / "a.json", FCDP_AUTOLOAD="0")
+    plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "b.json")]), tmp / "b.json",
+                    FCDP_AUTOLOAD="0")
     for f, p in zip(fcdp, plain):
         assert f["optimizer"] == "FCDPStage3" and p["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
         assert f["losses"] == p["losses"] and f["cache_hits"] > 0 and f["num_nodes"] == 2
@@ -135,3 +138,28 @@ def test_counters_written_to_deepspeed_monitor():
         rows = csv.read_text().strip().splitlines()
         assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
         assert (Path(out_dir) / "fcdp" / "FCDP_cache_hit_rate.csv").exists()
+
+
+def test_each_engine_counts_its_own_collectives():
+    """Two engines in one process (a trained policy and an optimizer-less ZeRO-3 reference), counted
+    without enable_comm_counting, first both plain ZeRO-3, then with an FCDP policy: in each window only
+    the engine that ran gains bytes, and its gains are all the process's data collectives in that window."""
+    for rank in run_ranks("integrations:two_engines_attribution", 4, policy_fcdp=(False, True)):
+        assert rank["installed"], "the startup hook did not install FCDP (reinstall: pip install -e .)"
+        for policy_fcdp, r in zip((False, True), rank["runs"]):
+            assert r["classes"] == ["FCDPStage3" if policy_fcdp else "CountedStage3", "CountedZeROOffload"]
+            for w in r["windows"]:
+                ref, pol = w["reference_forward"], w["policy_step"]
+                # plain engines: the layout torchrun's LOCAL_WORLD_SIZE implies; then the one FCDP discovered
+                assert ref["layout"].startswith("fcdp.ranks_per_node" if policy_fcdp else "LOCAL_WORLD_SIZE")
+                assert not any(ref["policy"].values()) and not any(pol["reference"].values()), w
+                assert ref["reference"]["inter_node_allgather_bytes"] > 0 and pol["policy"]["inter_node_allgather_bytes"] > 0
+                assert pol["policy"]["inter_node_grad_reduce_bytes"] > 0
+                for window, engine in ((ref, "reference"), (pol, "policy")):
+                    # all of the process's data collectives in the window; DeepSpeed's trace-check broadcasts
+                    # (a few ints, first steps only) run in module hooks outside the engine's counters
+                    counted = {k: v for k, v in window[engine].items() if v and "broadcast" not in k}
+                    process = {k: v for k, v in window["process"].items() if v and "broadcast" not in k}
+                    wire = "wire_sent_inter_node_bytes"
+                    process[wire] = process.get(wire, 0) - window["process"].get("wire_sent_inter_node_broadcast_bytes", 0)
+                    assert counted == {k: v for k, v in process.items() if v}, (policy_fcdp, engine, window)

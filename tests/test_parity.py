@@ -41,12 +41,17 @@ def test_losses_bit_identical(results, name):
         assert fcdp.losses == plain.losses, (plain.losses, fcdp.losses)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_weights_bit_identical(results, name):
-    plain, fcdp = results[0][name]["plain"].weights, results[0][name]["fcdp"].weights
+def assert_weights_bit_identical(scenario: dict) -> None:
+    """Rank 0's gathered final weights of a scenario's plain and FCDP runs."""
+    plain, fcdp = scenario["plain"].weights, scenario["fcdp"].weights
     assert plain.keys() == fcdp.keys() and plain
     for key in plain:
         assert torch.equal(plain[key], fcdp[key]), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_bit_identical(results, name):
+    assert_weights_bit_identical(results[0][name])
 
 
 @pytest.mark.parametrize("name", NAMES)

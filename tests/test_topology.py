@@ -124,3 +124,15 @@ def test_megatron_layout_tp2_on_2_nodes_x_4():
         assert node["stats"]["grad_accumulated"] > 0 and node["stats"]["grad_delivered"] > 0
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(node["losses"], plain["losses"])), (node, plain)
         assert len(node["losses"]) == len(plain["losses"]) == 6
+
+
+def test_plain_engine_layout_is_derived_without_a_collective():
+    from fcdp_deepspeed.topology import guess_node_map
+    assert guess_node_map({}, 4, ranks_per_node=2) == (("node0", "node0", "node1", "node1"),
+                                                       "fcdp.ranks_per_node (consecutive ranks per node)")
+    nodes, source = guess_node_map({"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, 4)  # torchrun's first
+    assert nodes == ("node0", "node0", "node1", "node1") and source.startswith("LOCAL_WORLD_SIZE")
+    assert guess_node_map({"LOCAL_SIZE": "4"}, 8)[0] == ("node0", ) * 4 + ("node1", ) * 4
+    for env, world in (({}, 4), ({"LOCAL_WORLD_SIZE": "3"}, 4)):  # unknown, or not dividing the world
+        nodes, source = guess_node_map(env, world)
+        assert nodes is None and "enable_comm_counting" in source

@@ -28,7 +28,7 @@ import torch
 from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.monitor import latest_monitor
-from fcdp_deepspeed.runtime.allocation import Allocation
+from fcdp_deepspeed.runtime.allocation import Allocation, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.invalidation import Invalidation
@@ -43,17 +43,17 @@ class FCDPRuntime:
     """Everything FCDP holds for one engine; built by :meth:`activate`, driven by ``stage3.py``."""
 
     def __init__(self, config: FCDPConfig, ds_config: Mapping[str, Any], module: torch.nn.Module, dp_group: Any,
-                 optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None) -> None:
+                 optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
+                 comm: Optional[CommCounters] = None) -> None:
         self.config = config
         self.module = module
         self.dp_group = dp_group
         self.optimizer_ids = frozenset(p.ds_id for p in optimizer_params if hasattr(p, "ds_id"))
         self.param_names = dict(param_names or {})
-        spp = ds_config.get("steps_per_print")
-        self.steps_per_print = spp if isinstance(spp, int) and spp > 0 else None
+        self.log_interval = config.resolved_log_interval(ds_config.get("steps_per_print"))
         #: Shared by the parts: cache events (hits, fills, invalidations, steps) and this engine's collectives.
         self.counters = CacheCounters()
-        self.comm = CommCounters()
+        self.comm = comm if comm is not None else CommCounters()
         monitor = latest_monitor()  # the engine being built created it just before this optimizer
         self.monitor = monitor if monitor is not None and monitor.enabled else None
         # The parts, built by activate().
@@ -78,11 +78,12 @@ class FCDPRuntime:
         cache = self.attachment.cache
         self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
         self.allocation.plan_and_allocate()
+        warn_if_nothing_cached(self.attachment, self.allocation)
         self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate)
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
-        self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.steps_per_print,
+        self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
                              self.monitor)
         return self
 

@@ -39,6 +39,11 @@ class Allocation:
     uncached_bytes: int = 0
     #: ``auto`` mode: the first step boundary has moved what fits to the accelerator.
     promoted: bool = False
+    #: Entries left out at planning: over the budgets resolved below, or their slot failed on some rank.
+    over_budget: int = 0
+    degraded: int = 0
+    host_budget: int = 0
+    device_budget: int = 0
 
     def _budgets(self) -> tuple[int, int]:
         topo = self.topology
@@ -63,7 +68,7 @@ class Allocation:
         or whose slot failed on any rank are disabled on every rank (one warning each, rank 0)."""
         cache = self.cache
         entries = list(cache.entries.values())  # ds_id order: identical on every rank
-        host_budget, device_budget = self._budgets()
+        host_budget, device_budget = self.host_budget, self.device_budget = self._budgets()
         plan = plan_placement([_request(e) for e in entries], self.config.cache_device, host_budget, device_budget)
         agreed = self._agree([plan[e.param.ds_id] is not None for e in entries])
         over_budget = [e for e, ok in zip(entries, agreed) if not ok]
@@ -83,6 +88,9 @@ class Allocation:
             if pool is not None:
                 pool.release_unused(cache.entries.values())
         self.uncached_bytes = sum(e.nbytes for e in over_budget + degraded)
+        self.over_budget, self.degraded = len(over_budget), len(degraded)
+        if entries and len(over_budget) + len(degraded) == len(entries):
+            return  # nothing is cached: warn_if_nothing_cached says so once, with every reason
         if dist.get_rank() == 0:
             if over_budget:
                 logger.warning(
@@ -120,3 +128,38 @@ class Allocation:
         if dist.get_rank() == 0:
             logger.info(f"fcdp: moved {len(moved)} cached slices ({fmt_bytes(sum(e.nbytes for e in moved))}) to "
                         f"the accelerator (headroom after step 1: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")
+
+
+#: Settings to change, by why an engine's parameters got no cache entry (``Attachment.uncached``).
+_FIXES = {
+    "persistent (stage3_param_persistence_threshold)": "lower zero_optimization.stage3_param_persistence_threshold "
+    "(parameters of at most that many elements stay gathered and are never cached; DeepSpeed's default is "
+    "100000, 0 lets every parameter be cached)",
+    "smaller than fcdp.min_numel": "lower fcdp.min_numel",
+    "zero-size": "nothing (zero-size parameters have nothing to gather)",
+    "partitioned over a different process group than the engine's DP group":
+        "pass the same data_parallel_group/mpu to zero.Init and deepspeed.initialize",
+    "quantized": "set zero_optimization.zero_quantized_weights false",
+}
+
+
+def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
+    """One warning (rank 0) when an enabled engine caches no parameter at all, naming each reason
+    and the setting that changes it. Why: the job then runs exactly as plain ZeRO-3, and a user who
+    enabled the block would otherwise only see it in ``get_stats``' ``uncached_reasons``."""
+    if any(e.state is not EntryState.DISABLED for e in allocation.cache.entries.values()):
+        return
+    reasons = [f"{count} {reason}: {_FIXES.get(reason, 'see uncached_reasons in get_stats')}"
+               for reason, count in sorted(attachment.uncached.items())]
+    if allocation.over_budget:
+        more = " or fcdp.device_budget" if allocation.config.cache_device == "device" else ""
+        reasons.append(f"{allocation.over_budget} over the cache budget (host {fmt_bytes(allocation.host_budget)} per "
+                       f"rank, device {fmt_bytes(allocation.device_budget)}): raise fcdp.host_budget{more}")
+    if allocation.degraded:
+        reasons.append(f"{allocation.degraded} whose cache allocation failed on some rank: free host memory or "
+                       f"lower fcdp.host_budget")
+    if not reasons:
+        reasons.append("the model has no ZeRO-3 partitioned parameters")
+    if dist.get_rank() == 0:
+        logger.warning("fcdp: enabled, but the cache holds no parameter, so this engine runs as plain ZeRO-3. "
+                       "Parameters not cached: " + "; ".join(reasons) + ".")

@@ -86,7 +86,7 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
     """Collective over ``dp_group``: build the node layout, one cache entry per cacheable parameter,
     and retrofit the ``zero.Init`` instances that partitioned them (slots are allocated later)."""
     topo = build_topology(dp_group, config.ranks_per_node)
-    LEDGER.install(topo.node_of_rank)
+    LEDGER.install(topo.node_of_rank, topo.source)
     if topo.num_nodes == 1 and dist.get_rank() == 0:
         logger.warning("fcdp: all data-parallel ranks are on one node; there is no inter-node traffic to save. "
                        "Set fcdp.ranks_per_node to simulate several nodes.")

@@ -41,11 +41,35 @@ class StaleCacheError(RuntimeError):
 
 #: Attribute of a wrapper that holds the DeepSpeed function it replaced.
 _ORIGINAL = "_fcdp_original"
+#: Attribute of a wrapper that only attributes bytes (a plain engine's, see :func:`count_gathers`).
+_COUNTING_ONLY = "_fcdp_counting_only"
 
 
 def unwrapped(fn: Callable) -> Callable:
     """The DeepSpeed gather function that :meth:`FetchPath.wrap` replaced (``fn`` if unwrapped)."""
     return getattr(fn, _ORIGINAL, fn)
+
+
+def count_gathers(param: torch.nn.Parameter, comm: CommCounters) -> None:
+    """A plain ZeRO-3 engine's parameter: attribute its gathers to ``comm`` (once; FCDP engines wrap
+    with :meth:`FetchPath.wrap`, which also attributes). Nothing else changes."""
+    if hasattr(param.all_gather_coalesced, _ORIGINAL):
+        return
+    original_coalesced, original_gather = param.all_gather_coalesced, param.all_gather
+
+    def all_gather_coalesced(*args: Any, **kwargs: Any) -> Any:
+        with LEDGER.attribute(comm):
+            return original_coalesced(*args, **kwargs)
+
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        with LEDGER.attribute(comm):
+            return original_gather(*args, **kwargs)
+
+    for wrapper, original in ((all_gather_coalesced, original_coalesced), (all_gather, original_gather)):
+        setattr(wrapper, _ORIGINAL, original)
+        setattr(wrapper, _COUNTING_ONLY, True)
+    param.all_gather_coalesced = all_gather_coalesced
+    param.all_gather = all_gather
 
 
 def _split_empty(params: list) -> tuple[list, list]:
@@ -104,10 +128,11 @@ class FetchPath:
 
     def wrap(self, param: torch.nn.Parameter) -> None:
         """Replace ``param``'s two gather entry points (once; the originals stay reachable)."""
-        if hasattr(param.all_gather_coalesced, _ORIGINAL):
+        if hasattr(param.all_gather_coalesced, _ORIGINAL) and not hasattr(param.all_gather_coalesced, _COUNTING_ONLY):
             return
         fetch = self
-        original_coalesced, original_gather = param.all_gather_coalesced, param.all_gather
+        # a plain engine may have counted this parameter first: the cache path replaces that wrapper
+        original_coalesced, original_gather = unwrapped(param.all_gather_coalesced), unwrapped(param.all_gather)
 
         def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
             params, empty = _split_empty(list(params))

@@ -24,14 +24,14 @@ class Report:
     allocation: Allocation
     counters: CacheCounters
     comm: CommCounters
-    #: DeepSpeed's ``steps_per_print``: report every that many optimizer steps (``None``: never).
-    steps_per_print: Optional[int]
+    #: Report every that many optimizer steps (0: never); ``fcdp.log_interval``, resolved.
+    log_interval: int
     #: The engine's own monitor, when enabled (see ``monitor.py``).
     monitor: Optional[MonitorMaster]
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
-        if self.steps_per_print and step % self.steps_per_print == 0:
+        if self.log_interval and step % self.log_interval == 0:
             stats = self.stats()
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))

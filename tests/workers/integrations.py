@@ -54,3 +54,63 @@ def monitor_csv(out_dir: str, steps: int = 3) -> dict:
     engine = toy.build_engine(cfg)
     toy.train(engine, steps)
     return fcdp_deepspeed.get_stats(engine)
+
+
+def two_engines_attribution(policy_fcdp: tuple = (False, True), steps: int = 2) -> dict:
+    """A trained policy and an optimizer-less reference in one process, no ``enable_comm_counting``:
+    per window (reference forward, policy step), each engine's and the process's counter deltas.
+    One run per entry of ``policy_fcdp`` (the policy with or without FCDP)."""
+    import os
+
+    from deepspeed import comm as dist
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # what torchrun sets on 2 nodes x 2: the plain engines' layout
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    installed = fcdp_deepspeed.is_installed()  # by the startup hook: nothing here calls install()
+    return {"installed": installed, "runs": [_policy_and_reference_windows(f, steps) for f in policy_fcdp]}
+
+
+def _policy_and_reference_windows(policy_fcdp: bool, steps: int) -> dict:
+    cfg = toy.ds_config(fcdp_block() if policy_fcdp else None, regime="large")
+    ref_cfg = {k: v for k, v in toy.ds_config(None, regime="large").items() if k != "optimizer"}
+    torch.manual_seed(0)
+    policy = toy.ToyModel(32, 4)
+    torch.manual_seed(1)
+    reference = toy.ToyModel(32, 4)
+    for p in reference.parameters():
+        p.requires_grad = False
+    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=cfg)
+    ref_engine, *_ = deepspeed.initialize(model=reference, config=ref_cfg)
+
+    def snap() -> dict:
+        return {"policy": fcdp_deepspeed.get_stats(engine), "reference": fcdp_deepspeed.get_stats(ref_engine)}
+
+    windows = []
+    for step in range(steps):
+        x, y = toy.batch(step, 4, 32)
+        s0 = snap()
+        ref_out = toy.evaluate(ref_engine, x)
+        s1 = snap()
+        loss = torch.nn.functional.mse_loss(engine(x), y) + 0.1 * torch.nn.functional.mse_loss(engine(x), ref_out)
+        engine.backward(loss)
+        engine.step()
+        s2 = snap()
+        windows.append({"reference_forward": _deltas(s0, s1), "policy_step": _deltas(s1, s2)})
+    return {"windows": windows, "final": snap(),
+            "classes": [type(engine.optimizer).__name__, type(ref_engine.optimizer).__name__]}
+
+
+def _deltas(before: dict, after: dict) -> dict:
+    """Per engine: the byte and call counters that changed; ``process``: the process-wide ones."""
+    out = {}
+    for name in ("policy", "reference"):
+        b, a = before[name], after[name]
+        out[name] = {k: a[k] - b.get(k, 0) for k in a
+                     if k.endswith(("_bytes", "_calls")) and not k.startswith("process_") and isinstance(a[k], int)
+                     and k not in ("host_cache_bytes", "device_cache_bytes", "host_pool_bytes", "device_pool_bytes",
+                                   "pinned_pool_bytes", "uncached_bytes", "peak_device_memory_bytes", "h2d_async_bytes")}
+    b, a = before["policy"], after["policy"]
+    out["process"] = {k[len("process_"):]: a[k] - b.get(k, 0) for k in a if k.startswith("process_")}
+    out["layout"] = after["policy"]["node_layout_source"]
+    return out

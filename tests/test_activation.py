@@ -1,0 +1,107 @@
+"""Nothing silently ignored: an enabled ``fcdp`` block that cannot take effect fails or warns, in real
+runs through ``deepspeed.initialize`` (HF Trainer: tests/test_hf.py), with FCDP installed by the
+startup hook alone. The fresh-venv installs of that hook: tests/test_autoload_install.py."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_ranks
+
+
+def test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize():
+    for r in run_ranks("activation:low_stage_refused", 2):
+        assert r["installed"], "the startup hook did not install FCDP (reinstall: pip install -e .)"
+        for entry, stages in (("initialize", (0, 1, 2)), ("pipeline", (0, 1))):
+            for stage in stages:
+                error = r[entry][stage]
+                assert error is not None, (entry, stage)
+                assert error.startswith("FCDPConfigError: fcdp requires ZeRO stage 3"), error
+                assert f"got stage {stage}" in error and '"fcdp": {"enabled": false}' in error, error
+
+
+@pytest.mark.parametrize("case, setting", [("persistent", "zero_optimization.stage3_param_persistence_threshold"),
+                                           ("budget", "fcdp.host_budget")])
+def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
+    res = run_ranks("activation:nothing_cached", 4, case=case)
+    warnings = res[0]["warnings"]
+    assert len(warnings) == 1, warnings
+    assert "the cache holds no parameter" in warnings[0] and setting in warnings[0], warnings[0]
+    for r in res:
+        assert r["optimizer"] == "FCDPStage3" and r["stats"]["cached_params"] == 0 and r["stats"]["cache_hits"] == 0
+        assert not r["warnings"] or r is res[0]
+
+
+UNTESTED_RELEASE = r'''
+import json, sys, types, warnings
+import deepspeed
+import fcdp_deepspeed_autoload as autoload
+
+calls = []
+deepspeed.initialize = lambda *args, **kwargs: calls.append(kwargs) or "engine"   # stands for DeepSpeed's
+deepspeed.__version__ = "0.99.0"                                                    # a release FCDP never saw
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    autoload.on_deepspeed_imported(deepspeed)
+out = {"warnings": [str(w.message) for w in caught], "package_imported": "fcdp_deepspeed" in sys.modules}
+with open(sys.argv[1], "w") as f:
+    json.dump({"fcdp": {"enabled": True}}, f)
+errors = {}
+for name, kwargs in (("dict", {"config": {"fcdp": {"enabled": True}}}), ("path", {"config": sys.argv[1]}),
+                     ("args", {"args": types.SimpleNamespace(deepspeed_config=sys.argv[1])}),
+                     ("config_params", {"config_params": {"fcdp": True}})):
+    try:
+        deepspeed.initialize(model=None, **kwargs)
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+out["errors"] = errors
+out["plain"] = [deepspeed.initialize(model=None, config=c) for c in ({}, {"fcdp": {"enabled": False}})]
+out["calls"] = len(calls)
+
+# a tested release whose install() fails: the same warning-and-refusal, never a failed `import deepspeed`
+broken = types.ModuleType("fcdp_deepspeed")
+def install():
+    raise OSError("no space left on device")
+broken.install = install
+sys.modules["fcdp_deepspeed"] = broken
+deepspeed.initialize = lambda *args, **kwargs: "engine"
+deepspeed.__version__ = "0.19.8"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    autoload.on_deepspeed_imported(deepspeed)
+out["failed_install_warnings"] = [str(w.message) for w in caught]
+try:
+    deepspeed.initialize(model=None, config={"fcdp": {"enabled": True}})
+except Exception as exc:
+    out["failed_install_error"] = f"{type(exc).__name__}: {exc}"
+out["failed_install_plain"] = deepspeed.initialize(model=None, config={})
+print("RESULT", json.dumps(out))
+'''
+
+
+def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_path):
+    """The startup hook on a DeepSpeed release FCDP was not tested with: one warning, nothing installed
+    (the package is not even imported), jobs without an enabled block untouched, and an enabled block
+    refused at deepspeed.initialize (dict, path, args.deepspeed_config, config_params) with the fix.
+    Then the same for an install() that raises."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, FCDP_AUTOLOAD="0")  # the hook is called by hand below, on a patched deepspeed
+    env.pop("FCDP_ALLOW_UNTESTED_DEEPSPEED", None)
+    proc = subprocess.run([sys.executable, "-c", UNTESTED_RELEASE, str(tmp_path / "ds.json")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(out["warnings"]) == 1 and "deepspeed==0.99.0" in out["warnings"][0], out["warnings"]
+    assert "FCDP_AUTOLOAD=0" in out["warnings"][0] and not out["package_imported"]
+    assert set(out["errors"]) == {"dict", "path", "args", "config_params"}, out["errors"]
+    for error in out["errors"].values():
+        assert error.startswith("UnsupportedDeepSpeedVersion: this DeepSpeed config enables \"fcdp\" but FCDP is "
+                                "not active: fcdp-deepspeed was tested with deepspeed==0.19.8"), error
+        assert "pip install deepspeed==0.19.8" in error and '"fcdp": {"enabled": false}' in error
+    assert out["plain"] == ["engine", "engine"] and out["calls"] == 2
+    # a failing install(): warned, and the same refusal naming what failed
+    assert len(out["failed_install_warnings"]) == 1
+    assert "installing FCDP failed: OSError: no space left on device" in out["failed_install_warnings"][0]
+    assert "installing FCDP failed: OSError" in out["failed_install_error"] and out["failed_install_plain"] == "engine"
