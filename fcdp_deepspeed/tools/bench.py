@@ -212,6 +212,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
     from fcdp_deepspeed.tools.launch import run_local
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs.jsonl").unlink(missing_ok=True)
     rows: list[dict] = []
     tasks = [(rate, job, ga, rep, engine) for rate in spec.rates_mbit for job in spec.jobs for ga in spec.grad_accums
              for rep in range(spec.repeats) for engine in spec.engines]
@@ -226,6 +227,10 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
                 record = run_local("fcdp_deepspeed.tools.bench:rank_main", spec.nodes * spec.ranks_per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
             runs.setdefault((rate, job, ga, engine), []).append(record)
+            # Raw records as they arrive, so a long sweep cut short keeps what it measured.
+            with open(out_dir / "runs.jsonl", "a") as f:
+                f.write(json.dumps({"rate": rate, "job": job, "grad_accum": ga, "engine": engine,
+                                    "record": record}) + "\n")
             bar.advance()
     finally:
         bar.close()
