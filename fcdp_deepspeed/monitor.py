@@ -15,8 +15,9 @@ from deepspeed.monitor.monitor import MonitorMaster
 _LAST: Optional[weakref.ReferenceType] = None
 
 #: Counters written every ``steps_per_print`` optimizer steps, as ``FCDP/<key>``.
-MONITORED_KEYS = ("inter_node_allgather_bytes", "intra_node_allgather_bytes", "cache_hit_rate", "cache_hits",
-                  "cache_misses", "host_cache_bytes", "device_cache_bytes")
+MONITORED_KEYS = ("inter_node_allgather_bytes", "intra_node_allgather_bytes", "inter_node_grad_reduce_bytes",
+                  "intra_node_grad_reduce_bytes", "cache_hit_rate", "cache_hits", "cache_misses", "host_cache_bytes",
+                  "device_cache_bytes")
 
 
 class RecordingMonitorMaster(MonitorMaster):

@@ -355,6 +355,8 @@ def format_stats_line(stats: dict) -> str:
     lookups = stats["cache_hits"] + stats["cache_misses"]
     hit_rate = stats["cache_hits"] / lookups if lookups else 0.0
     return (f"[fcdp] step {stats['optimizer_steps']}: allgather inter-node {fmt_bytes(stats['inter_node_allgather_bytes'])} "
-            f"intra-node {fmt_bytes(stats['intra_node_allgather_bytes'])}, cache hit rate {hit_rate:.1%} "
+            f"intra-node {fmt_bytes(stats['intra_node_allgather_bytes'])}, grad reduce inter-node "
+            f"{fmt_bytes(stats['inter_node_grad_reduce_bytes'])} intra-node {fmt_bytes(stats['intra_node_grad_reduce_bytes'])}, "
+            f"cache hit rate {hit_rate:.1%} "
             f"({stats['cache_hits']} hits / {stats['cache_misses']} misses), cache host "
             f"{fmt_bytes(stats['host_cache_bytes'])} device {fmt_bytes(stats['device_cache_bytes'])}")

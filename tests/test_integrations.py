@@ -138,6 +138,7 @@ def test_counters_written_to_deepspeed_monitor():
         rows = csv.read_text().strip().splitlines()
         assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
         assert (Path(out_dir) / "fcdp" / "FCDP_cache_hit_rate.csv").exists()
+        assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
 
 
 def test_each_engine_counts_its_own_collectives():

@@ -182,13 +182,14 @@ def format_plan(result: dict) -> str:
              f"ranks, trainable {s['trainable_fraction']:.2%}, GA {s['grad_accum']}, inter-node {s['inter_gbps']:g} "
              f"Gbit/s per node, {s['backend']} collectives, {s['regime']} release regime", "",
              f"{'engine':<9} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'all-gather vs ZeRO-3':>21} {'step >= (s)':>12} "
-             f"{'host cache/node':>16} {'extra device/rank':>18}"]
+             f"{'host cache/node':>16} {'grad buffer/node':>17} {'extra device/rank':>18}"]
     base = result["engines"]["zero3"]["inter_node_bytes_per_step"] or 1.0
     base_ag = result["engines"]["zero3"]["inter_node_allgather_bytes_per_step"] or 1.0
     for name, e in result["engines"].items():
         lines.append(f"{name:<9} {_gb(e['inter_node_bytes_per_step']):>16} {e['inter_node_bytes_per_step'] / base:>10.4f} "
                      f"{e['inter_node_allgather_bytes_per_step'] / base_ag:>21.4f} "
                      f"{e['step_time_lower_bound_s']:>12.3f} {_gb(e['cache_host_bytes_per_node']):>16} "
+                     f"{_gb(e.get('grad_buffer_host_bytes_per_node', 0.0)):>17} "
                      f"{_gb(e['cache_device_bytes_per_rank']):>18}{'' if e['device_fits'] else '  (exceeds headroom)'}")
     lines.append("\nfcdp: node cache, DeepSpeed's gradient path; fcdp_node: plus grad_reduce hierarchical and "
                  "grad_accumulation node; bound: changed parameters in once, gradient out once per node and step")
