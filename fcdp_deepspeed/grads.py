@@ -447,9 +447,12 @@ _DEGENERATE_WARNED = False
 
 
 def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: Sequence[torch.nn.Parameter],
-                  accumulation_dtype: torch.dtype, is_boundary: Any) -> Optional[GradReducer]:
+                  accumulation_dtype: torch.dtype, is_boundary: Any, accumulation_steps: int = 2) -> Optional[GradReducer]:
     """Collective over the world: the engine's gradient plan, or ``None`` for DeepSpeed's own path
-    (flat/rank settings, or one node / one rank per node, where both stages would be one)."""
+    (flat/rank settings, or one node / one rank per node, where both stages would be one). With one
+    micro-step per optimizer step every micro-step is a boundary, so no node buffer is allocated (a
+    later change of the accumulation steps then reduces across nodes every micro-step: exact, as
+    over budget)."""
     global _DEGENERATE_WARNED
     if not config.grad_modes_active:
         return None
@@ -465,6 +468,6 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
     assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
     reducer = GradReducer(config, layout, dp_group, topo.group, peer_group, accumulation_dtype, is_boundary)
-    reducer.plan_buffer(trainable)
+    reducer.plan_buffer(trainable if accumulation_steps > 1 else [])
     install_dispatch()
     return reducer

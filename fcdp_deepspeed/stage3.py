@@ -108,7 +108,8 @@ class FCDPStage3(CountedStage3):
         self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
                                               [p for p in params if p.requires_grad],
                                               self.gradient_accumulation_dtype,
-                                              self.is_gradient_accumulation_boundary)
+                                              self.is_gradient_accumulation_boundary,
+                                              accumulation_steps=self.gradient_accumulation_steps)
 
     def independent_gradient_partition_epilogue(self) -> None:
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY):

@@ -95,6 +95,7 @@ def test_broken_plans_fail_the_bound(break_kind, mode):
 PARITY = [
     dict(name="hier_ga1", fcdp=HIER),
     dict(name="hier_ga4", fcdp=HIER, grad_accum=4),
+    dict(name="node_ga1", fcdp=NODE),
     dict(name="node_ga4", fcdp=NODE, grad_accum=4),
     dict(name="node_ga8", fcdp=NODE, grad_accum=8),
     dict(name="lora_node_ga4", fcdp=NODE, grad_accum=4, lora_rank=2),
@@ -204,6 +205,8 @@ def test_accumulation_buffer_is_reported_and_bounded(parity_2x2):
     assert lora["grad_buffer_host_bytes"] == adapters * 4 // 2
     gated = parity_2x2[0]["gated_last_node_ga4"]["fcdp"].stats
     assert gated["grad_flushed"] > 0  # the gated block's window sums were flushed at the end of backward
+    ga1 = parity_2x2[0]["node_ga1"]["fcdp"].stats  # every micro-step is a boundary: no buffer to hold
+    assert ga1["grad_buffer_host_bytes"] == 0 and ga1["grad_accumulated"] == 0 and ga1["grad_unbuffered_bytes"] == 0
 
 
 def test_buffer_on_the_accelerator_when_asked(parity_2x2):

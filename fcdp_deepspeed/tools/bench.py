@@ -317,6 +317,22 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plot_bars(rows: list[dict], jobs: list, axes) -> None:
+    """Single-bandwidth runs: samples/s (measured engines) and inter-node MB per step (with the bound)."""
+    for col, job in enumerate(jobs):
+        mine = {r["engine"]: r for r in rows if _job_key(r) == job}
+        names = [e for e in (*ENGINES, "bound") if e in mine]
+        measured = [e for e in names if e != "bound"]
+        axes[0][col].bar(measured, [mine[e]["samples_per_s"] for e in measured], color="tab:blue")
+        axes[1][col].bar(names, [mine[e]["kernel_inter_node_bytes_per_step"] / 1e6 for e in names],
+                         color=["tab:gray" if e == "bound" else "tab:orange" for e in names])
+        for row, ylabel in ((0, "samples/s"), (1, "inter-node MB per step (kernel; bound computed)")):
+            ax = axes[row][col]
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{job[0]}, GA {job[1]}, {_rate_label(rows[0]['rate_mbit'])} ({rows[0]['regime']} release regime)")
+            ax.grid(alpha=0.3, axis="y")
+
+
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -327,6 +343,12 @@ def plot(rows: list[dict], path: Path) -> None:
     jobs = sorted({_job_key(r) for r in rows}, key=lambda j: (JOBS.index(j[0]) if j[0] in JOBS else 9, j[1]))
     fig, axes = plt.subplots(2, len(jobs), figsize=(6 * len(jobs), 8), squeeze=False)
     rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"]})
+    if len({r["rate_mbit"] for r in rows}) == 1:  # one bandwidth: bars per engine instead of lines over rates
+        _plot_bars(rows, jobs, axes)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
     unlimited_x = (max(rates) * 4) if rates else 1
     for col, job in enumerate(jobs):
         for engine, style in zip((*ENGINES, "bound"), ("o-", "s--", "^-", "D-", "k:")):
@@ -335,7 +357,8 @@ def plot(rows: list[dict], path: Path) -> None:
             if not pts:
                 continue
             xs = [x for x, _ in pts]
-            axes[0][col].plot(xs, [r["samples_per_s"] for _, r in pts], style, label=engine)
+            if engine != "bound":  # the bound's "step time" is network time alone, not a throughput
+                axes[0][col].plot(xs, [r["samples_per_s"] for _, r in pts], style, label=engine)
             axes[1][col].plot(xs, [r["kernel_inter_node_bytes_per_step"] / 1e6 for _, r in pts], style, label=engine)
         for row, ylabel in ((0, "samples/s"), (1, "inter-node MB per step (kernel)")):
             ax = axes[row][col]
