@@ -108,6 +108,8 @@ PARITY = [
     dict(name="offload_node_ga2", fcdp=NODE, grad_accum=2, zero={"offload_optimizer": {"device": "cpu"}}),
     dict(name="offload_both_node_ga2", fcdp=NODE, grad_accum=2,
          zero={"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+    # overflow-skipped optimizer steps (fp16 loss scaling's path, injected: no fp16 on the CPU accelerator)
+    dict(name="overflow_node_ga4", fcdp=NODE, grad_accum=4, overflow_at={1, 2}),
     dict(name="budget_node_ga4", fcdp={**NODE, "grad_buffer_budget": 8192}, grad_accum=4),
     dict(name="device_buffer_node_ga2", fcdp={**NODE, "grad_buffer_device": "device"}, grad_accum=2),
     # the buffer cannot be allocated on rank 1: every rank falls back to per-micro-step reduction
@@ -192,6 +194,15 @@ def test_inter_node_gradient_bytes_per_step_do_not_grow_with_accumulation(parity
         # the micro-steps before the boundary stay inside the node
         intra = step_delta(per_rank["node_ga4"]["fcdp"], "intra_node_grad_reduce_bytes")
         assert intra[0] == 4 * step_delta(per_rank["hier_ga1"]["fcdp"], "intra_node_grad_reduce_bytes")[0]
+
+
+def test_overflow_skipped_steps_discard_the_window(parity_2x2):
+    """An overflow-skipped step (DeepSpeed skips it and clears gradients) leaves nothing in the node
+    buffer for the next window: parity with ZeRO-3 (the parity test above) and the skips really happened."""
+    run = parity_2x2[0]["overflow_node_ga4"]
+    assert run["plain"].extra["skipped_steps"] == run["fcdp"].extra["skipped_steps"] == 2
+    assert run["plain"].losses != parity_2x2[0]["node_ga4"]["plain"].losses  # the skipped steps changed training
+    assert run["fcdp"].stats["grad_accumulated"] > 0
 
 
 def test_accumulation_buffer_is_reported_and_bounded(parity_2x2):

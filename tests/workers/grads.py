@@ -164,6 +164,23 @@ def error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "
     return result
 
 
+def inject_overflow(engine, steps: set) -> None:
+    """Make the optimizer see an overflow at the given optimizer steps (0-based), as fp16 dynamic loss
+    scaling would after an inf/nan gradient (the CPU accelerator has no fp16): DeepSpeed then skips
+    the step and runs its overflow clean-up (``zero_grad``), exactly as after a real overflow."""
+    opt = engine.optimizer
+    original = opt._overflow_check_and_loss_scale_update
+    seen = [0]
+
+    def check(update_scale: bool = True) -> bool:
+        original(update_scale=False)
+        opt.overflow = opt.overflow or seen[0] in steps
+        seen[0] += 1
+        return opt.overflow if not update_scale else opt._loss_scale_update_and_overflow_cleanup()
+
+    opt._overflow_check_and_loss_scale_update = check
+
+
 def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "") -> dict:
     """Each scenario with plain ZeRO-3 and with FCDP (``sc["fcdp"]``): losses, weights, stats."""
     setup(ranks_per_node)
@@ -179,7 +196,10 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
                 engine = build(sc, _config(sc, block))
             finally:
                 os.environ.pop("FCDP_INJECT_FAULT", None)
+            if sc.get("overflow_at"):
+                inject_overflow(engine, sc["overflow_at"])
             res = train(engine, sc)
+            res.extra["skipped_steps"] = engine.skipped_steps
             weights = toy.gather_weights(engine)
             res.weights = weights if dist.get_rank() == 0 else {}
             res.extra["optimizer_class"] = type(engine.optimizer).__name__
