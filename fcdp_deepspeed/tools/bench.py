@@ -1,16 +1,19 @@
-"""Side-by-side benchmark on an emulated commodity cluster: ZeRO-3, ZeRO++ hpZ and FCDP.
+"""Side-by-side benchmark on an emulated commodity cluster: ZeRO-3, ZeRO++ hpZ, FCDP with DeepSpeed's
+gradient path (``fcdp``) and FCDP with node-local gradient accumulation (``fcdp_node``), plus the
+computed lower bound (``bound`` rows: changed parameters into each node once, its gradient out once).
 
-    fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--out results/bench]
+    fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--grad-accum 1,4] [--out results/bench]
     python -m fcdp_deepspeed.tools.bench ...      # same
 
 Every bandwidth is a fresh :class:`~fcdp_deepspeed.tools.cluster.EmulatedCluster` (2 nodes x 2 ranks
 by default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
-(full fine-tune, LoRA) the three engines train the same model on the same data, each in fresh
+(full fine-tune, LoRA) and accumulation setting the engines train the same model on the same data, each in fresh
 processes (an engine measured after another one in the same process ran 2-3% slower, whichever it
 was, and peak memory would mix engines), ``--repeats`` times in interleaved order; the step time
 is the median over every timed step of every repeat (single runs vary by up to +-8% on 2 cores). Per run: median step time, samples/s, inter-node bytes per step from
 the kernel's interface counters and from our own collective counters (they must agree within 5%),
-cache and peak memory, losses (identical across engines). Results: JSON, CSV and a PNG plot.
+cache and peak memory, losses (identical across engines). Results: JSON, CSV, a PNG plot and
+``runs.jsonl`` (each run's raw record, written as it arrives).
 
 Release regime: ``large`` (default) sets ``stage3_max_reuse_distance=0`` and
 ``stage3_prefetch_bucket_size=0`` so ZeRO-3 releases every parameter after use, which is what a
