@@ -82,6 +82,7 @@ def main() -> None:
         state["steps"].append({"iteration": iteration, "loss": loss, "loss_hex": loss.hex(),
                                "grad_norm_hex": gn.hex(), "lr": learning_rate, "skipped": int(skipped_iter),
                                "inter_node_allgather_bytes": stats.get("inter_node_allgather_bytes"),
+                               "inter_node_grad_reduce_bytes": stats.get("inter_node_grad_reduce_bytes"),
                                "time": time.time()})
         return original_training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                                      report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
@@ -99,14 +100,17 @@ def main() -> None:
     stats = fcdp_deepspeed.get_stats(engine)
     # Full (gathered) weights of this rank's model-parallel shard, in parameter order on every rank.
     digests = {}
+    weights = {}  # the tensors too: runs with gradient modes are compared within a tolerance
     whole = hashlib.sha256()
     for name, param in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
-            data = param.detach().cpu().contiguous()
+            data = param.detach().cpu().contiguous().clone()
             h = hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
         digests[name] = h
+        weights[name] = data
         whole.update(name.encode() + h.encode())
     rank = torch.distributed.get_rank()
+    torch.save(weights, os.path.join(out_dir, f"weights{rank}.pt"))
     steps = state["steps"]
     result = {
         "rank": rank,

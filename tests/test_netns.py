@@ -27,7 +27,10 @@ def _launch_both_nodes(cluster: EmulatedCluster, tmp: Path, cfg: dict, use_fcdp_
     (tmp / "hostfile").write_text("node0 slots=2\nnode1 slots=2\n")
     port = str(free_port())
     entry = ["--module", "fcdp_deepspeed.run"] if use_fcdp_entry else []
-    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="eth0", PYTHONWARNINGS="ignore::FutureWarning")
+    # FCDP_AUTOLOAD=0: the plain run is DeepSpeed's own ZeRO-3, and FCDP comes from the launch entry alone
+    # (the startup hook is tested in test_autoload_install.py).
+    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="eth0", PYTHONWARNINGS="ignore::FutureWarning",
+               FCDP_AUTOLOAD="0")
     before = cluster.counters()
     procs = [cluster.popen(i, [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(tmp / "hostfile"),
                                "--no_ssh", "--node_rank", str(i), "--master_addr", cluster.address(0), "--master_port",
