@@ -202,9 +202,18 @@ def _close_problems(r: int, b: dict, f: dict, base_dir: Path, run_dir: Path) -> 
     wb = torch.load(base_dir / f"weights{r}.pt")
     wf = torch.load(run_dir / f"weights{r}.pt")
     for name, w in wb.items():
-        diff = (wf[name].double() - w.double()).norm().item()
-        if diff > RTOL * max(w.double().norm().item(), 1e-12):
-            problems.append(f"rank {r}: weight {name} off by {diff:.3g} (norm {w.norm().item():.3g})")
+        a, c = w.double(), wf[name].double()
+        if name.endswith("query_key_value.bias") and a.numel() % 3 == 0:
+            # [Note: the key bias] The fused bias is [q | k | v]. Softmax is invariant to the key bias
+            # (it adds the same q.b_k to every score of a query), so its exact gradient is 0 and the
+            # computed one is rounding noise (~1e-10); Adam with eps 1e-8 turns that noise into updates of
+            # about lr * noise / eps, so any other summation order, ZeRO-3's included, moves it
+            # differently (measured: ~1e-4 of a 0.25-norm tensor after 10 steps). The exact result leaves
+            # it at its initial value; neither run is closer to that. Only q and v are compared.
+            a, c = torch.cat([a.view(3, -1)[0], a.view(3, -1)[2]]), torch.cat([c.view(3, -1)[0], c.view(3, -1)[2]])
+        diff = (c - a).norm().item()
+        if diff > RTOL * max(a.norm().item(), 1e-12):
+            problems.append(f"rank {r}: weight {name} off by {diff:.3g} (norm {a.norm().item():.3g})")
     return problems
 
 
