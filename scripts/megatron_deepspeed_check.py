@@ -166,22 +166,14 @@ def _load_run(run_dir: Path) -> list[dict] | None:
     return [json.loads(p.read_text()) for p in files]
 
 
-def _per_step_bytes(ranks: list[dict]) -> list[float]:
-    """Inter-node all-gather bytes received per step, averaged over ranks."""
+def _per_step_bytes(ranks: list[dict], key: str = "inter_node_allgather_bytes") -> list[float]:
+    """``key`` (a cumulative get_stats counter) received per step, averaged over ranks; the zero point
+    is the value read after deepspeed.initialize where the probe recorded it (``<key>_at_init``)."""
     per_rank = []
     for r in ranks:
-        cumulative = [s["inter_node_allgather_bytes"] for s in r["steps"]]
-        start = r.get("inter_node_allgather_bytes_at_init", 0)
+        cumulative = [s.get(key) or 0 for s in r["steps"]]
+        start = r.get(f"{key}_at_init", 0)
         per_rank.append([b - a for a, b in zip([start, *cumulative], cumulative)])
-    return [sum(col) / len(col) for col in zip(*per_rank)]
-
-
-def _per_step_grad_bytes(ranks: list[dict]) -> list[float]:
-    """Inter-node gradient-reduction bytes received per step, averaged over ranks."""
-    per_rank = []
-    for r in ranks:
-        cumulative = [s.get("inter_node_grad_reduce_bytes") or 0 for s in r["steps"]]
-        per_rank.append([b - a for a, b in zip([cumulative[0], *cumulative], cumulative)])
     return [sum(col) / len(col) for col in zip(*per_rank)]
 
 
@@ -264,7 +256,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             misses = sum(r["stats"].get("cache_misses", 0) for r in run)
             losses = [float.fromhex(s["loss_hex"]) for s in base[0]["steps"]]
             same = (f"within {RTOL} relative (gradient modes)" if tolerant else "bit-identical") if not problems else "DIFFER"
-            zg, fg = _per_step_grad_bytes(base), _per_step_grad_bytes(run)
+            zg, fg = (_per_step_bytes(x, "inter_node_grad_reduce_bytes") for x in (base, run))
             zgb, fgb = sum(zg[1:]) / max(1, steps - 1), sum(fg[1:]) / max(1, steps - 1)
             print(f"{label}: {steps} steps, lm loss {losses[0]:.6f} -> {losses[-1]:.6f}; "
                   f"losses/grad norms/weights {same} on all {len(run)} ranks")
