@@ -111,19 +111,17 @@ class FCDPStage3(CountedStage3):
                                               self.is_gradient_accumulation_boundary,
                                               accumulation_steps=self.gradient_accumulation_steps)
 
+    # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
-            super().independent_gradient_partition_epilogue()
-            if self.fcdp_grads is not None and self.is_gradient_accumulation_boundary():
-                self._flush_node_buffer()
+        super().independent_gradient_partition_epilogue()
+        if self.fcdp_grads is not None and self.is_gradient_accumulation_boundary():
+            self._flush_node_buffer()
 
     def step(self, closure=None):
-        with self._attributed():
-            if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
-                # Unreachable when the engine drives the boundary; never step without the window's sums.
-                with LEDGER.tagged(GRAD_FAMILY):
-                    self._flush_node_buffer()
-            return super().step(closure)
+        if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
+            # Unreachable when the engine drives the boundary; never step without the window's sums.
+            self._flush_node_buffer()
+        return super().step(closure)
 
     # -- gradient path (grads.py) ----------------------------------------------------------------
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
@@ -160,7 +158,7 @@ class FCDPStage3(CountedStage3):
         # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
         # DeepSpeed 0.19.8 refuses with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
-        with get_accelerator().stream(self.reduce_and_partition_stream):
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), get_accelerator().stream(self.reduce_and_partition_stream):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
                 self.partition_grads(params, parts)
         if not get_accelerator().resolves_data_dependency():
