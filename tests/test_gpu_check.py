@@ -1,0 +1,83 @@
+"""scripts/gpu_check.py without a GPU: the one-line refusal, and ``--dry-run-cpu`` running case (a)
+(host-buffer gradient flush, gloo world size 1) and case (b) (fake world of 4 through
+deepspeed.initialize) on the CPU accelerator with the JSON report's keys."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+from conftest import run_ranks
+from fcdp_deepspeed.tools import gpu_trace
+
+SCRIPT = str(Path(__file__).parent.parent / "scripts" / "gpu_check.py")
+
+
+def _script(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
+    return subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_no_gpu_is_one_line_and_non_zero(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("--json", str(out), timeout=120)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert "no CUDA GPU" in lines[0] and "--dry-run-cpu" in lines[0] and "Traceback" not in lines[0]
+    assert not out.exists()
+
+
+def test_dry_run_cpu_writes_the_report(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _script("--dry-run-cpu", "--json", str(out), "--steps", "3", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mode"] == "dry-run-cpu" and report["passed"] is True
+    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg"}
+    for case in report["cases"].values():
+        assert set(case) == {"case", "checks", "numbers", "error", "passed"} and case["error"] is None
+        assert all(set(c) == {"name", "passed", "detail"} for c in case["checks"])
+    a = report["cases"]["a_grad_flush"]
+    assert a["numbers"]["grad_flushed"] == 1 and a["numbers"]["grad_buffer_host_bytes"] > 0
+    assert {c["name"]: c["passed"] for c in a["checks"]}["param 1: equals the reference sum"] is True
+    b = report["cases"]["b_fake_pg"]
+    assert set(b["numbers"]["runs"]) == {"zero3", "host", "device", "auto"}
+    for run in b["numbers"]["runs"].values():
+        assert {"peak_allocated", "peak_reserved", "seconds", "trace", "losses", "stats"} <= set(run)
+        assert len(run["peak_allocated"]) == 3 and {"syncs", "sync_memcpys", "overlap_fraction"} <= set(run["trace"][0])
+    assert set(b["numbers"]["h2d_overlap_fraction"]) == {"zero3", "host", "device", "auto"}
+    checks = {c["name"]: c["passed"] for c in b["checks"]}
+    assert checks["deepspeed.init_distributed adopts the fake group"] is True
+    assert checks["host: cache served hits"] is True
+    assert checks["host: peak allocated within 5% of ZeRO-3"] is None  # no device memory on the CPU accelerator
+    assert "a_grad_flush: PASS" in proc.stdout and "b_fake_pg: PASS" in proc.stdout
+
+
+@pytest.mark.parametrize("kind, failing", [("lose_window", "param 1: equals the reference sum"),
+                                           ("stale_buffer", "buffer empty after the window")])
+def test_case_a_fails_a_broken_flush(kind, failing):
+    checks = run_ranks("gpu_check:broken_flush", 1, timeout=180, kind=kind)[0]
+    assert checks[failing] is False and checks["param 0: equals the reference sum"] is True
+
+
+def _event(name: str, start: float, end: float, device: bool) -> SimpleNamespace:
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_trace_counts_and_overlap():
+    """Profiler events -> counts; an H2D copy half covered by two overlapping kernels overlaps 50%."""
+    trace = gpu_trace.summarize([
+        _event("cudaStreamSynchronize", 0, 1, False), _event("cudaMemcpy", 1, 2, False),
+        _event("cudaMemcpyAsync", 2, 3, False), _event("Memcpy HtoD (Pinned -> Device)", 10, 30, True),
+        _event("Memcpy DtoH (Device -> Pageable)", 40, 41, True), _event("gemm_kernel", 5, 15, True),
+        _event("add_kernel", 12, 20, True), _event("Memset (Device)", 20, 30, True)])
+    assert (trace.syncs, trace.sync_memcpys, trace.pageable_copies, trace.h2d_copies, trace.kernels) == (1, 1, 1, 1, 2)
+    assert trace.h2d_us == 20 and trace.h2d_overlap_us == 10 and trace.overlap_fraction == 0.5
+    assert gpu_trace.summarize([]).overlap_fraction is None

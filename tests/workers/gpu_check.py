@@ -1,0 +1,27 @@
+"""Workers of test_gpu_check.py: case (a) of the GPU check against deliberately broken reducers."""
+from __future__ import annotations
+
+from fcdp_deepspeed import grads
+from fcdp_deepspeed.tools import gpu_check
+
+
+def broken_flush(kind: str) -> dict:
+    """Run case (a) on gloo with a broken flush; return its checks."""
+    original = grads.GradReducer.flush
+
+    def flush(self, comm_dtype, bucket_numel):
+        if kind == "lose_window":  # the flushed window sum is dropped before stage 2
+            for ds_id in self.buffer.dirty:
+                self.buffer.slot(ds_id).zero_()
+            yield from original(self, comm_dtype, bucket_numel)
+        elif kind == "stale_buffer":  # delivered, but the slot keeps its sum into the next window
+            kept = {i: self.buffer.slot(i).clone() for i in self.buffer.dirty}
+            yield from original(self, comm_dtype, bucket_numel)
+            for i, value in kept.items():
+                self.buffer.slot(i).copy_(value)
+        else:
+            raise ValueError(kind)
+
+    grads.GradReducer.flush = flush
+    res = gpu_check.grad_flush_case("gloo")
+    return {c.name: c.passed for c in res.checks}
