@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from fcdp_deepspeed import grads
-from fcdp_deepspeed.tools import gpu_check
+from fcdp_deepspeed.tools import gpu_cases
 
 
 def broken_flush(kind: str) -> dict:
-    """Run case (a) on gloo with a broken flush; return its checks."""
+    """Run case (a) on gloo with a broken flush; return its checks as name -> (passed, detail)."""
     original = grads.GradReducer.flush
 
     def flush(self, comm_dtype, bucket_numel):
@@ -19,9 +19,12 @@ def broken_flush(kind: str) -> dict:
             yield from original(self, comm_dtype, bucket_numel)
             for i, value in kept.items():
                 self.buffer.slot(i).copy_(value)
+        elif kind == "refused":  # what NCCL does with a host tensor
+            raise RuntimeError("No backend type associated with device type cpu")
+            yield
         else:
             raise ValueError(kind)
 
     grads.GradReducer.flush = flush
-    res = gpu_check.grad_flush_case("gloo")
-    return {c.name: c.passed for c in res.checks}
+    res = gpu_cases.grad_flush_case("gloo")
+    return {c.name: (c.passed, c.detail) for c in res.checks}
