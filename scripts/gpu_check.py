@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -22,9 +23,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def gpu_count() -> int:
     """Visible CUDA devices, probed before DeepSpeed is imported (so a machine without one gets one line)."""
     try:
-        import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # a broken driver or a CPU-only torch: no usable GPU
+        with warnings.catch_warnings():  # a broken driver warns: keep the refusal to one line
+            warnings.simplefilter("ignore")
+            import torch
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken torch install: no usable GPU
         return 0
 
 
@@ -32,8 +35,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", metavar="OUT", default=None, help="write the report here")
     ap.add_argument("--dry-run-cpu", action="store_true", help="development: run the logic on the CPU accelerator")
-    ap.add_argument("--hidden", type=int, default=None, help="toy model width (default 2048 on a GPU, 32 dry)")
-    ap.add_argument("--layers", type=int, default=None, help="toy model depth (default 8 on a GPU, 3 dry)")
+    ap.add_argument("--hidden", type=int, default=None, help="toy model width (default 1024 on a GPU, 32 dry)")
+    ap.add_argument("--layers", type=int, default=None, help="toy model depth (default 32 on a GPU, 3 dry)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per variant (>= 3 for auto at step 3)")
     args = ap.parse_args(argv)
     gpus = gpu_count()
@@ -43,8 +46,8 @@ def main(argv=None) -> int:
         return 2
     from fcdp_deepspeed.tools import gpu_check
     dry = args.dry_run_cpu
-    report = gpu_check.run(dry_run=dry, gpus=0 if dry else gpus, hidden=args.hidden or (32 if dry else 2048),
-                           layers=args.layers or (3 if dry else 8), steps=args.steps)
+    report = gpu_check.run(dry_run=dry, gpus=0 if dry else gpus, hidden=args.hidden or (32 if dry else 1024),
+                           layers=args.layers or (3 if dry else 32), steps=args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -47,14 +47,15 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert a["numbers"]["grad_flushed"] == 1 and a["numbers"]["grad_buffer_host_bytes"] > 0
     assert {c["name"]: c["passed"] for c in a["checks"]}["param 1: equals the reference sum"] is True
     b = report["cases"]["b_fake_pg"]
-    assert set(b["numbers"]["runs"]) == {"zero3", "host", "device", "auto"}
+    assert set(b["numbers"]["runs"]) == {"zero3", "host", "device", "auto", "node_host"}
     for run in b["numbers"]["runs"].values():
         assert {"peak_allocated", "peak_reserved", "seconds", "trace", "losses", "stats"} <= set(run)
         assert len(run["peak_allocated"]) == 3 and {"syncs", "sync_memcpys", "overlap_fraction"} <= set(run["trace"][0])
-    assert set(b["numbers"]["h2d_overlap_fraction"]) == {"zero3", "host", "device", "auto"}
+    assert set(b["numbers"]["h2d_overlap_fraction"]) == {"zero3", "host", "device", "auto", "node_host"}
     checks = {c["name"]: c["passed"] for c in b["checks"]}
     assert checks["deepspeed.init_distributed adopts the fake group"] is True
-    assert checks["host: cache served hits"] is True
+    assert checks["host: cache served hits"] is True and checks["node_host: gradient buffer on the host"] is True
+    assert checks["node_host: the gated block's window sums were flushed"] is True
     assert checks["host: peak allocated within 5% of ZeRO-3"] is None  # no device memory on the CPU accelerator
     assert "a_grad_flush: PASS" in proc.stdout and "b_fake_pg: PASS" in proc.stdout
 

@@ -109,8 +109,9 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
         out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction})
     out["losses"] = [float(v) for v in losses]
     stats = fcdp_deepspeed.get_stats(engine)
-    out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes",
-                                              "pinned_pool_bytes", "h2d_async_copies", "h2d_async_bytes")}
+    out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
+                                              "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
+                                              "grad_buffer_device_bytes", "grad_flushed")}
     del engine, model
     return out
 
@@ -138,16 +139,24 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
               f"world {dist.get_world_size()}, backend {tdist.get_backend()}")
     on_gpu = not dry_run
     variants = {"zero3": None, "host": {"cache_device": "host"},
-                "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"}}
+                "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"},
+                "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"}}
+    fcdp_variants = [n for n in variants if n != "zero3"]
     with fake_node_discovery(ranks_per_node=2):
         runs = {name: measure_variant(extra, hidden, layers, steps, on_gpu) for name, extra in variants.items()}
     res.numbers.update(hidden=hidden, layers=layers, steps=steps, runs=runs)
     z, host, auto = runs["zero3"], runs["host"], runs["auto"]
     why = "" if on_gpu else "CPU accelerator: no device memory or streams"
-    for kind in ("allocated", "reserved"):
-        a, b = max(host[f"peak_{kind}"]), max(z[f"peak_{kind}"])
-        res.check(f"host: peak {kind} within 5% of ZeRO-3", within(a, b), f"{a} vs {b} bytes {why}", on_gpu)
-    for name in ("host", "device", "auto"):
+    for name in ("host", "node_host"):
+        for kind in ("allocated", "reserved"):
+            a, b = max(runs[name][f"peak_{kind}"]), max(z[f"peak_{kind}"])
+            res.check(f"{name}: peak {kind} within 5% of ZeRO-3", within(a, b), f"{a} vs {b} bytes {why}", on_gpu)
+    node = runs["node_host"]["stats"]
+    res.check("node_host: gradient buffer on the host", (node["grad_buffer_host_bytes"] or 0) > 0
+              and not node["grad_buffer_device_bytes"], f"{node['grad_buffer_host_bytes']} host bytes")
+    res.check("node_host: the gated block's window sums were flushed", (node["grad_flushed"] or 0) > 0,
+              f"{node['grad_flushed']} flushed")
+    for name in fcdp_variants:
         res.check(f"{name}: cache served hits", (runs[name]["stats"]["cache_hits"] or 0) > 0,
                   f"{runs[name]['stats']['cache_hits']} hits")
     res.check("host: pool pinned", (host["stats"]["pinned_pool_bytes"] or 0) > 0, why, on_gpu)
@@ -156,7 +165,7 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     grown, pool = auto["peak_allocated"][-1] - a1, auto["stats"]["device_pool_bytes"] or 0
     res.check(f"auto: step-{steps} growth over step 1 at most its device pool (+5% of ZeRO-3)",
               grown <= pool + MEMORY_TOLERANCE * z1, f"grew {grown}, pool {pool} bytes {why}", on_gpu)
-    for name in ("host", "device", "auto"):  # steady state: steps after the first (which builds the trace)
+    for name in fcdp_variants:  # steady state: steps after the first (which builds the trace)
         for key in ("syncs", "sync_memcpys", "pageable_copies"):
             extra = [r[key] - q[key] for r, q in zip(runs[name]["trace"][1:], z["trace"][1:])]
             res.check(f"{name}: {key} per step <= ZeRO-3's", max(extra, default=0) <= 0,
