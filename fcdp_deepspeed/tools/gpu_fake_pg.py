@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from fcdp_deepspeed.tools.gpu_report import CaseResult
+from fcdp_deepspeed.tools.gpu_report import CaseResult, call_site
 
 #: A 5% margin on peak memory, as the issue states it.
 MEMORY_TOLERANCE = 0.05
@@ -142,9 +142,16 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
                 "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"},
                 "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"}}
     fcdp_variants = [n for n in variants if n != "zero3"]
+    runs: dict[str, dict] = {}
     with fake_node_discovery(ranks_per_node=2):
-        runs = {name: measure_variant(extra, hidden, layers, steps, on_gpu) for name, extra in variants.items()}
+        for name, extra in variants.items():
+            try:
+                runs[name] = measure_variant(extra, hidden, layers, steps, on_gpu)
+            except Exception as exc:  # report it, keep the other variants' numbers
+                res.check(f"{name}: ran", False, call_site(exc))
     res.numbers.update(hidden=hidden, layers=layers, steps=steps, runs=runs)
+    if len(runs) < len(variants):
+        return res
     z, host, auto = runs["zero3"], runs["host"], runs["auto"]
     why = "" if on_gpu else "CPU accelerator: no device memory or streams"
     for name in ("host", "node_host"):
