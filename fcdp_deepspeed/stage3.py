@@ -29,7 +29,7 @@ from __future__ import annotations
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import device, grads
+from fcdp_deepspeed import device, grads, strict_device
 from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
                                    parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -58,6 +58,7 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         return super().__new__(cls)
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
+        strict_device.configure_from_env()  # FCDP_STRICT_DEVICE=1: the CPU test suite's strict door
         #: This engine's collectives from its creation on, with or without the cache (see get_stats).
         self.fcdp_comm = CommCounters()
         super().__init__(module, init_optimizer, *args, **kwargs)
@@ -212,6 +213,7 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
         return super().__new__(cls)
 
     def __init__(self, module, *args, **kwargs) -> None:
+        strict_device.configure_from_env()
         self.fcdp_comm = CommCounters()
         super().__init__(module, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
