@@ -16,8 +16,10 @@ cannot show up in a CPU test. The strict door tells the two memories apart:
 - streams and events are counting fakes: a host wait (``Stream.synchronize``, ``Event.synchronize``), a
   blocking copy across host/accelerator (pageable memory, or outside the door) and a control-tensor read
   are logged in :data:`LOG` with the call site and its owner (``fcdp``, ``deepspeed`` or ``user``).
-  :func:`counting` adds host reads of accelerator tensors (``.item()``, ``.tolist()``, ``.cpu()``, ...)
-  and ``get_accelerator().synchronize()`` for any code, to compare FCDP with plain ZeRO-3.
+  :func:`counting` adds host reads of accelerator tensors (``.item()``, ``.tolist()``, ``.cpu()``, ...),
+  ``torch.tensor(..., device=...)`` and ``get_accelerator().synchronize()`` for any code, to compare FCDP
+  with plain ZeRO-3. Not seen: ``.to("cpu")`` of an accelerator tensor (on the CPU accelerator it cannot be
+  told from ``.to(accel_device())``); FCDP's core makes no such call (it copies through the door).
 """
 from __future__ import annotations
 
@@ -297,16 +299,24 @@ _HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cp
                          torch.Tensor.__index__, torch.equal, torch.allclose, torch.Tensor.nonzero, torch.nonzero})
 
 
-class _HostReads(TorchFunctionMode):
+_FROM_PYTHON = frozenset({torch.tensor, torch.as_tensor})
+
+
+class _HostTraffic(TorchFunctionMode):
+    """Host reads of accelerator tensors, and accelerator tensors built from Python data (a pageable copy)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _HOST_READS and not any(_is_host(t) for t in _tensors(args, kwargs)):
             LOG.record(f"host_read:{getattr(func, '__name__', func)}")
+        elif func in _FROM_PYTHON and (kwargs or {}).get("device") is not None:
+            LOG.record("h2d_from_python")
         return func(*args, **(kwargs or {}))
 
 
 @contextmanager
 def counting() -> Iterator[SyncLog]:
-    """Also log host reads of accelerator tensors and ``get_accelerator().synchronize()`` on this thread."""
+    """Also log, on this thread, host reads of accelerator tensors, accelerator tensors built from Python
+    data and ``get_accelerator().synchronize()``, whoever issues them."""
     acc = get_accelerator()
     original = acc.synchronize
 
@@ -316,7 +326,7 @@ def counting() -> Iterator[SyncLog]:
 
     acc.synchronize = synchronize
     try:
-        with _HostReads():
+        with _HostTraffic():
             yield LOG
     finally:
         del acc.synchronize

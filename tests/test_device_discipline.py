@@ -93,3 +93,28 @@ def test_blocking_fill_is_counted():
                          break_kind="blocking_fill")
     problems = steady_excess(per_rank[0]["host_full_flat"])
     assert problems and "stream_synchronize" in problems[0], problems
+
+
+def test_index_built_per_bucket_is_counted():
+    """Bug put back: the reduction's permutation index is built from a Python list on every bucket."""
+    per_rank = run_ranks("device_discipline:strict_runs", 4, timeout=600, scenarios=[BY_NAME["device_lora_node"]],
+                         break_kind="index_per_bucket")
+    problems = steady_excess(per_rank[0]["device_lora_node"])
+    assert problems and "h2d_from_python" in problems[0], problems
+
+
+def test_strict_door_tells_host_from_accelerator():
+    """In-process: the subclass survives ops, mixing raises, the door's copies cross, pageable copies are logged."""
+    from fcdp_deepspeed import strict_device as sd
+    door = sd.StrictDoor()
+    host = door.pin_empty(4, torch.float32).zero_()
+    assert isinstance(torch.cat([host, host]), sd.HostTensor) and isinstance(host.double()[1:], sd.HostTensor)
+    accel = door.to_accel(host)
+    assert type(accel) is torch.Tensor and not door.is_host(accel)
+    with pytest.raises(sd.DeviceMismatchError, match="mixes host and accelerator"):
+        host.add_(torch.ones(4))
+    assert door.to_host(accel + 1, out=host) is host and float(host.sum()) == 4.0
+    mark = sd.LOG.mark()
+    door.to_host(accel, out=door.host_empty(4, torch.float32))  # pageable: blocks on CUDA
+    host.copy_(accel)  # a copy outside the door, not asynchronous
+    assert [e.kind for e in sd.LOG.since(mark)] == ["blocking_copy_pageable", "blocking_copy"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
@@ -47,6 +48,8 @@ def sabotage(kind: str) -> None:
             device.current_stream().synchronize()
 
         NodeCache._fill = _fill
+    elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
+        grads.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind:
         raise ValueError(kind)
 
