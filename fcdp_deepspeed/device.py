@@ -65,15 +65,16 @@ class Door:
         return torch.empty(numel, dtype=dtype, device=self.accel_device())
 
     # -- copies -----------------------------------------------------------------------------------
-    def to_accel(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``t`` on the accelerator, copied asynchronously on the current stream. Without ``out``, a
-        tensor already there is returned as is (it may alias ``t``: treat it as read-only)."""
+    def to_accel(self, t: torch.Tensor, out: Optional[torch.Tensor] = None, *, non_blocking: bool = True) -> torch.Tensor:
+        """``t`` on the accelerator, copied asynchronously on the current stream (``non_blocking=False``:
+        the host waits; never on the hot path). Without ``out``, a tensor already there is returned as is
+        (it may alias ``t``: treat it as read-only)."""
         device = self.accel_device()
         if out is None:
             if t.device == device:
                 return t
             out = torch.empty(t.shape, dtype=t.dtype, device=device)
-        out.copy_(t, non_blocking=True)
+        out.copy_(t, non_blocking=non_blocking)
         return out
 
     def to_host(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -184,8 +185,8 @@ def accel_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return _DOOR.accel_empty(numel, dtype)
 
 
-def to_accel(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _DOOR.to_accel(t, out)
+def to_accel(t: torch.Tensor, out: Optional[torch.Tensor] = None, *, non_blocking: bool = True) -> torch.Tensor:
+    return _DOOR.to_accel(t, out, non_blocking=non_blocking)
 
 
 def to_host(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

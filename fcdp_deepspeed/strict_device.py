@@ -129,13 +129,17 @@ class HostTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         tensors = _tensors(args, kwargs)
+        hosts = [t for t in tensors if isinstance(t, HostTensor)]
         plain = [t for t in tensors if not isinstance(t, HostTensor) and t.dim() > 0]
-        if plain and len(plain) < len(tensors) and func not in _SHAPE_ONLY:
+        if hosts and plain and func not in _SHAPE_ONLY:
             if func not in _COPIES:
                 raise DeviceMismatchError(f"fcdp strict device: {call_site()[1]} mixes host and accelerator tensors "
                                           f"in {getattr(func, '__name__', func)}; copy through fcdp_deepspeed.device")
-            if not (kwargs or {}).get("non_blocking", False) and not getattr(_LOCAL, "in_door", False):
-                LOG.record("blocking_copy")
+            if not getattr(_LOCAL, "in_door", False):  # a copy outside the door
+                if not (kwargs or {}).get("non_blocking", len(args) > 2 and args[2] is True):
+                    LOG.record("blocking_copy")
+                elif not all(t.untyped_storage().data_ptr() in _PINNED for t in hosts):
+                    LOG.record("blocking_copy_pageable")
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -208,13 +212,15 @@ class StrictDoor(device.Door):
             _LOCAL.in_door = False
         return out
 
-    def to_accel(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def to_accel(self, t: torch.Tensor, out: Optional[torch.Tensor] = None, *, non_blocking: bool = True) -> torch.Tensor:
         if _is_host(out):
             raise DeviceMismatchError(f"fcdp strict device: {call_site()[1]}: to_accel into host memory")
         if not _is_host(t):  # already accelerator memory
             return t if out is None else out.copy_(t)
         with _raw():
             out = torch.empty(t.shape, dtype=t.dtype) if out is None else out
+        if not non_blocking:
+            LOG.record("blocking_copy")
         return self._copy(out, t, t)
 
     def to_host(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
