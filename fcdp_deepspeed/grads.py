@@ -148,7 +148,7 @@ def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
     key = (tuple(order), str(where))
     index = _ORDER_INDEX.get(key)
     if index is None:
-        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long).to(where)
+        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long)
     return index
 
 
