@@ -140,7 +140,8 @@ _ORDER_INDEX: dict[tuple, torch.Tensor] = {}
 
 
 def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
-    """The permutation of :func:`pack_chunks` as an index tensor on ``where``, built once per (layout, device).
+    """The permutation of :func:`pack_chunks` as an index tensor on the accelerator (``where``, the gradients'
+    device), built once per (layout, device).
 
     [Note: cached index] Building it per bucket is a pageable host-to-device copy on the reduce stream,
     which makes the backward thread wait for the previous bucket's reduction; built once (planning or
