@@ -22,15 +22,14 @@ import enum
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedParamStatus
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from fcdp_deepspeed import faults
+from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.stats import CacheCounters
 
 
@@ -64,6 +63,8 @@ class CacheEntry:
     checksum: Optional[float] = None
     staged: Optional[torch.Tensor] = field(default=None, repr=False)
     """Device copy of a host slot while one gather is being issued (see ``NodeCache.staged``)."""
+    ready: Any = field(default=None, repr=False)
+    """Event recorded after the last copy into the slot (``None`` without streams): readers wait on it."""
 
     @property
     def valid_numel(self) -> int:
@@ -99,17 +100,17 @@ class SlotPool:
     @property
     def pinned_nbytes(self) -> int:
         """Bytes actually page-locked (0 where the accelerator cannot pin host memory, e.g. the CPU)."""
-        acc = get_accelerator()
-        return sum(c.numel() * c.element_size() for c in self.chunks if self.pin and acc.is_pinned(c))
-
-    def _device(self) -> str:
-        return "cpu" if self.placement is Placement.HOST else get_accelerator().current_device_name()
+        return sum(c.numel() * c.element_size() for c in self.chunks if self.pin and device.is_pinned(c))
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         faults.maybe_fail(f"alloc_{self.placement.value}")
-        buf = torch.empty(numel, dtype=dtype, device=self._device())
-        if self.pin:
-            buf = get_accelerator().pin_memory(buf)
+        if self.placement is Placement.DEVICE:
+            buf = device.accel_empty(numel, dtype)
+        else:
+            buf = device.pin_empty(numel, dtype) if self.pin else device.host_empty(numel, dtype)
+        # [Note: zero padding] Slots are zeroed once here: fills write only the parameter's elements, so the
+        # padding past ``valid_numel`` stays zero without a host write racing an in-flight copy.
+        buf.zero_()
         self.allocations += 1
         return buf
 
@@ -195,17 +196,21 @@ class NodeCache:
 
         Called while DeepSpeed issues a gather, i.e. on its all-gather stream: the copies from the
         pinned pool are non-blocking on that stream, so they overlap compute on the default stream
-        and are ordered before the gather that reads them. On a CPU accelerator nothing is copied.
+        and are ordered before the gather that reads them. The gather stream first waits for each hit's
+        fill (``entry.ready``: fills are asynchronous copies on the releasing stream). On a CPU accelerator
+        nothing is copied.
         """
-        device = get_accelerator().current_device_name()
-        if torch.device(device).type == "cpu":
+        if device.host_is_accel():
             yield
             return
         moved = []
         with self._lock:
             for e in entries:
-                if e.placement is Placement.HOST and e.state is EntryState.FILLED and e.slot is not None:
-                    e.staged = self._tag(e.slot.to(device, non_blocking=True), e.slot_numel)
+                if e.state is not EntryState.FILLED or e.slot is None:
+                    continue
+                device.wait_event(e.ready)
+                if e.placement is Placement.HOST:
+                    e.staged = self._tag(device.to_accel(e.slot), e.slot_numel)
                     e.param.ds_secondary_tensor = e.staged
                     moved.append(e)
             if moved:
@@ -230,7 +235,10 @@ class NodeCache:
             moved = [e for e in entries if e not in failed]
             for e in moved:
                 if e.state is EntryState.FILLED:
-                    e.slot.copy_(old[id(e)])
+                    device.wait_event(e.ready)
+                    copy = device.to_accel if pool.placement is Placement.DEVICE else device.to_host
+                    copy(old[id(e)], out=e.slot)
+                    e.ready = device.record_event()
                     self._tag(e.slot, e.slot_numel)
                     e.param.ds_secondary_tensor = e.slot
         return moved
@@ -252,19 +260,28 @@ class NodeCache:
             self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED)
 
     def _fill(self, entry: CacheEntry, refresh: bool) -> None:
+        """Copy this rank's slice of the gathered parameter into the slot, asynchronously.
+
+        [Note: asynchronous fill] The copy is queued on the releasing (current) stream and an event is
+        recorded after it (``entry.ready``): the staged copy on the all-gather stream waits on that event
+        (:meth:`staged`), and only verify mode's host checksum blocks on it. The full tensor is freed
+        right after this partition call; the door ``record_stream``-s it on this stream, so its memory is
+        not reused before the copy has read it. Padding past ``valid_numel`` is zero from allocation.
+        """
         param, slot = entry.param, entry.slot
         assert slot is not None
-        flat = param.data.contiguous().view(-1)
         n = entry.valid_numel
-        with torch.no_grad():
-            if n < entry.slot_numel:
-                slot.narrow(0, n, entry.slot_numel - n).zero_()
-            if n > 0:
-                # Synchronous: the full tensor is freed right after this partition call.
-                slot.narrow(0, 0, n).copy_(flat.narrow(0, entry.start, n))
-        if not get_accelerator().resolves_data_dependency():
-            get_accelerator().current_stream().synchronize()
+        if n > 0:
+            src = param.data.contiguous().view(-1).narrow(0, entry.start, n)
+            with torch.no_grad():
+                if entry.placement is Placement.HOST:
+                    device.to_host(src, out=slot.narrow(0, 0, n))
+                else:
+                    slot.narrow(0, 0, n).copy_(src)  # same device, same stream
+        entry.ready = device.record_event()
         self._tag(slot, entry.slot_numel)
+        if self.checksums:  # verify (a debug mode): the host reads the slot, so it waits for the copy
+            device.host_wait(entry.ready)
         entry.checksum = float(slot.double().sum()) if self.checksums else None
         entry.state = EntryState.FILLED
         param.ds_secondary_tensor = slot

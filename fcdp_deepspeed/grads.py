@@ -50,7 +50,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import deepspeed.comm.comm as _comm_module
-from fcdp_deepspeed import faults
+from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.stats import EventCounters, fmt_bytes
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
@@ -125,7 +125,7 @@ def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: in
     sizes = [chunk_numel(t.numel(), world) for t in tensors]
     ref = tensors[0]
     out = torch.empty(len(order), sum(sizes), dtype=ref.dtype, device=ref.device)
-    index = torch.tensor(order, dtype=torch.long, device=ref.device)
+    index = order_index(order, ref.device)
     offset = 0
     for t, p in zip(tensors, sizes):
         flat = t.reshape(-1)
@@ -134,6 +134,23 @@ def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: in
         out[:, offset:offset + p] = flat.view(world, p).index_select(0, index)
         offset += p
     return out
+
+
+_ORDER_INDEX: dict[tuple, torch.Tensor] = {}
+
+
+def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
+    """The permutation of :func:`pack_chunks` as an index tensor on the accelerator (``where``, the gradients'
+    device), built once per (layout, device).
+
+    [Note: cached index] Building it per bucket is a pageable host-to-device copy on the reduce stream,
+    which makes the backward thread wait for the previous bucket's reduction; built once (planning or
+    first bucket) it is only read afterwards, on the same reduce stream."""
+    key = (tuple(order), str(where))
+    index = _ORDER_INDEX.get(key)
+    if index is None:
+        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long)
+    return index
 
 
 @dataclass
@@ -152,6 +169,26 @@ class NodeGradBuffer:
     def slot(self, ds_id: int) -> Optional[torch.Tensor]:
         where = self.offsets.get(ds_id)
         return None if where is None or self.flat is None else self.flat.narrow(0, where[0], where[1])
+
+    def accumulate(self, ds_id: int, cols: torch.Tensor) -> None:
+        """Add ``cols`` (accelerator, accumulation dtype) into the slot; a clean slot is overwritten.
+
+        [Note: host buffer, device add] A host slot is never read by the host: its partial sum is copied to
+        the accelerator (pinned, async), the add runs there, and the result is copied back (async) on the
+        same stream, so the next micro-step's copy of the slot is ordered after it."""
+        slot = self.slot(ds_id).view_as(cols)
+        if self.device == "host":
+            device.to_host(device.to_accel(slot) + cols if ds_id in self.dirty else cols, out=slot)
+        elif ds_id in self.dirty:
+            slot.add_(cols)
+        else:
+            slot.copy_(cols)
+        self.dirty.add(ds_id)
+
+    def take(self, ds_id: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The window sum on the accelerator (read it before the next :meth:`accumulate`); the slot is clean."""
+        self.dirty.discard(ds_id)
+        return device.to_accel(self.slot(ds_id).view(shape))
 
     @property
     def nbytes(self) -> int:
@@ -244,16 +281,15 @@ class GradReducer:
         """The buffer, allocated once (pinned on the host); ``None`` when allocation fails here."""
         try:
             faults.maybe_fail(f"alloc_gradbuf_{'device' if on_device else 'host'}")
-            flat = torch.zeros(numel, dtype=self.accumulation_dtype,
-                               device=get_accelerator().current_device_name() if on_device else "cpu")
-            return get_accelerator().pin_memory(flat) if not on_device and self.config.pin_memory else flat
+            alloc = device.accel_empty if on_device else device.pin_empty if self.config.pin_memory else device.host_empty
+            return alloc(numel, self.accumulation_dtype).zero_()
         except (RuntimeError, MemoryError, faults.InjectedFault):
             return None
 
     def _agree_min(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=get_accelerator().current_device_name())
+        t = device.small_to_accel([value], torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
-        return int(t.item())
+        return int(device.small_to_host(t)[0])
 
     # -- collectives ----------------------------------------------------------------------------
     def handles(self, group: Any) -> bool:
@@ -309,14 +345,11 @@ class GradReducer:
             offset += p
             slot = self.buffer.slot(param.ds_id) if self.node_accumulation else None
             if slot is not None and accumulate:
-                slot.view(layout.nodes, p).add_(cols.to(slot.device))
-                self.buffer.dirty.add(param.ds_id)
+                self.buffer.accumulate(param.ds_id, cols)
                 results[i] = cols.new_empty(0)
                 continue
             if slot is not None and param.ds_id in self.buffer.dirty:
-                cols = slot.view(layout.nodes, p).to(cols.device) + cols  # a new tensor: the slot is reset next
-                slot.zero_()
-                self.buffer.dirty.discard(param.ds_id)
+                cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
             deliver.append((i, cols))
         if deliver:
             for (i, _), own in zip(deliver, self._inter_node([c for _, c in deliver], comm_dtype)):
@@ -341,11 +374,10 @@ class GradReducer:
             if numel < bucket_numel and k + 1 < len(pending):
                 continue
             params = [by_id[i] for i in batch]
-            sums = [self.buffer.slot(i).view(self.layout.nodes, -1) for i in batch]
+            # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
+            sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
+                    for i in batch]
             owns = self._inter_node(sums, comm_dtype)
-            for i in batch:
-                self.buffer.slot(i).zero_()
-                self.buffer.dirty.discard(i)
             parts = [own.narrow(0, 0, own_chunk_numel(p.ds_numel, world, self.layout.dp_rank))
                      for p, own in zip(params, owns)]
             with self._lock:
@@ -376,10 +408,8 @@ class GradReducer:
         ``discard`` also drops partial window sums still in the buffer (``zero_grad`` mid-window)."""
         with self._lock:
             self._window.clear()
-        if discard and self.buffer.dirty:
-            for ds_id in self.buffer.dirty:
-                self.buffer.slot(ds_id).zero_()
-            self.buffer.dirty.clear()
+        if discard:
+            self.buffer.dirty.clear()  # a clean slot is overwritten by its next accumulation
 
     # -- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -26,11 +26,10 @@ buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window
 """
 from __future__ import annotations
 
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import grads
+from fcdp_deepspeed import device, grads, strict_device
 from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
                                    parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -59,6 +58,7 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         return super().__new__(cls)
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
+        strict_device.configure_from_env()  # FCDP_STRICT_DEVICE=1: the CPU test suite's strict door
         #: This engine's collectives from its creation on, with or without the cache (see get_stats).
         self.fcdp_comm = CommCounters()
         super().__init__(module, init_optimizer, *args, **kwargs)
@@ -145,8 +145,8 @@ class FCDPStage3(CountedStage3):
             self.micro_step_id = saved
         for i in skip:  # in the node buffer: free the full gradient as DeepSpeed does after reducing it
             param = params_to_release[i]
-            if not get_accelerator().is_synchronized_device() and param.grad is not None:
-                param.grad.record_stream(get_accelerator().current_stream())
+            if param.grad is not None:
+                device.record_stream(param.grad)
             param.grad = None
         return buffers
 
@@ -158,11 +158,17 @@ class FCDPStage3(CountedStage3):
         # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
         # DeepSpeed 0.19.8 refuses with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), get_accelerator().stream(self.reduce_and_partition_stream):
+        stream = self.reduce_and_partition_stream
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
                 self.partition_grads(params, parts)
-        if not get_accelerator().resolves_data_dependency():
-            self.reduce_and_partition_stream.synchronize()
+        # [Note: flush ordering] The step reads the partitions on the current stream: ordering it after the
+        # reduce stream suffices. With an offloaded optimizer the host reads the fp32 gradients that
+        # partition_grads copied asynchronously, so the host waits, as DeepSpeed's epilogue does.
+        if self.offload_optimizer:
+            device.host_wait_stream(stream)
+        else:
+            device.wait_stream(stream)
 
     def _pre_step(self) -> None:
         super()._pre_step()
@@ -207,6 +213,7 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
         return super().__new__(cls)
 
     def __init__(self, module, *args, **kwargs) -> None:
+        strict_device.configure_from_env()
         self.fcdp_comm = CommCounters()
         super().__init__(module, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))

@@ -16,6 +16,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
+from fcdp_deepspeed import device
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.placement import SlotRequest, plan_placement
@@ -58,10 +59,9 @@ class Allocation:
         """Collective: a flag stays true only if it is true on every rank of the DP group."""
         if not flags:
             return []
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        t = t.to(get_accelerator().current_device_name())
+        t = device.small_to_accel([1 if f else 0 for f in flags], torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
-        return [bool(v) for v in t.cpu().tolist()]
+        return [bool(v) for v in device.small_to_host(t)]
 
     def plan_and_allocate(self) -> None:
         """Collective: place every entry within the budgets and reserve its slot; entries over budget

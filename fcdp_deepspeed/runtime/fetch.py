@@ -28,9 +28,9 @@ from typing import Any, Callable
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+from fcdp_deepspeed import device
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
 from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
 
@@ -83,7 +83,7 @@ def _split_empty(params: list) -> tuple[list, list]:
 
 def _materialize_empty(params: list) -> None:
     for p in params:
-        p.data = torch.empty(p.ds_shape, dtype=p.ds_tensor.dtype, device=get_accelerator().current_device_name())
+        p.data = device.accel_empty(0, p.ds_tensor.dtype).view(p.ds_shape)
         p.ds_status = ZeroParamStatus.AVAILABLE
 
 
@@ -185,13 +185,13 @@ class FetchPath:
     def _reference_gather(self, entry: CacheEntry) -> torch.Tensor:
         """Plain ZeRO-3 gather of the primary partitions (collective over the DP group)."""
         param = entry.param
+        device.host_wait(entry.ready)  # verify is a debug mode: the host reads the slot after its fill
         if entry.checksum is not None and float(entry.slot.double().sum()) != entry.checksum:
             raise StaleCacheError(f"fcdp verify: the cached slice of parameter {entry.name!r} changed since it was "
                                   f"filled (memory corruption or a racing write into the cache).")
-        device = get_accelerator().current_device_name()
-        shard = param.ds_tensor.to(device)
+        shard = device.to_accel(param.ds_tensor)
         world = dist.get_world_size(group=param.ds_process_group)
-        out = torch.empty(shard.numel() * world, dtype=shard.dtype, device=device)
+        out = device.accel_empty(shard.numel() * world, shard.dtype)
         with LEDGER.attribute(self.comm):
             dist.all_gather_into_tensor(out, shard, group=param.ds_process_group)
         self.counters.bump(verified_hits=1)
