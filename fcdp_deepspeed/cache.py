@@ -31,6 +31,7 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedP
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import faults
+from fcdp_deepspeed.memory import pinned_cost
 from fcdp_deepspeed.stats import CacheCounters
 
 
@@ -76,14 +77,48 @@ class CacheEntry:
 
 
 #: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
+#: A power of two: a full pinned chunk costs exactly its size (see ``memory.pinned_cost``).
 CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_groups(nbytes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``
+    (a larger slot gets a chunk of its own)."""
+    chunks: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(nbytes):
+        if chunks and used + n <= chunk_bytes:
+            chunks[-1].append(i)
+            used += n
+        else:
+            chunks.append([i])
+            used = n
+    return chunks
+
+
+def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
+    """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
+    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned) for chunk in chunk_groups(nbytes, chunk_bytes))
+
+
+def pin_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    # DOOR: pinned host allocation (device.pin_empty once the device door is merged); allocates
+    # page-locked memory directly, never a pageable buffer copied into a pinned one.
+    return get_accelerator().pin_empty(numel, dtype=dtype)
+
+
+def pins_host_memory() -> bool:
+    """Whether ``pin_memory`` really page-locks here (not on the CPU accelerator)."""
+    return torch.device(get_accelerator().current_device_name()).type != "cpu"
 
 
 class SlotPool:
     """Flat buffers per dtype, allocated once at planning time; every slot is a view into one.
 
     Why pooled: pinned allocations are slow and a known source of host OOMs, so the pool is sized
-    from the plan, allocated before the first step and never grows or shrinks per step.
+    from the plan, allocated before the first step and never grows or shrinks per step. A pinned
+    chunk is allocated at its power-of-two rounded size (what the caching host allocator takes
+    anyway), so ``nbytes`` is the memory really held and :meth:`cost` predicts it.
     """
 
     def __init__(self, placement: Placement, pin: bool) -> None:
@@ -102,45 +137,53 @@ class SlotPool:
         acc = get_accelerator()
         return sum(c.numel() * c.element_size() for c in self.chunks if self.pin and acc.is_pinned(c))
 
+    @property
+    def rounds(self) -> bool:
+        """Whether chunks are pinned for real, so each costs its power-of-two rounding."""
+        return self.pin and pins_host_memory()
+
+    def cost(self, entries: Iterable[CacheEntry]) -> int:
+        """Bytes :meth:`reserve` would allocate for ``entries`` (chunking and pinned rounding included)."""
+        return sum(chunks_cost([e.nbytes for e in group], CHUNK_BYTES, self.rounds)
+                   for group in self._by_dtype(entries).values())
+
     def _device(self) -> str:
         return "cpu" if self.placement is Placement.HOST else get_accelerator().current_device_name()
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         faults.maybe_fail(f"alloc_{self.placement.value}")
-        buf = torch.empty(numel, dtype=dtype, device=self._device())
         if self.pin:
-            buf = get_accelerator().pin_memory(buf)
+            numel = pinned_cost(numel * dtype.itemsize, self.rounds) // dtype.itemsize
+            buf = pin_empty(numel, dtype)
+        else:
+            buf = torch.empty(numel, dtype=dtype, device=self._device())
         self.allocations += 1
         return buf
 
-    def reserve(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
-        """Give each entry a slot; return the entries whose chunk could not be allocated."""
+    @staticmethod
+    def _by_dtype(entries: Iterable[CacheEntry]) -> dict[torch.dtype, list[CacheEntry]]:
         by_dtype: dict[torch.dtype, list[CacheEntry]] = {}
         for e in entries:
             by_dtype.setdefault(e.dtype, []).append(e)
+        return by_dtype
+
+    def reserve(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
+        """Give each entry a slot; return the entries whose chunk could not be allocated."""
         failed: list[CacheEntry] = []
-        for dtype, group in by_dtype.items():
-            itemsize = dtype.itemsize
-            chunk: list[CacheEntry] = []
-            chunk_numel = 0
-            for e in group + [None]:  # type: ignore[list-item]
-                if e is not None and (not chunk or (chunk_numel + e.slot_numel) * itemsize <= CHUNK_BYTES):
-                    chunk.append(e)
-                    chunk_numel += e.slot_numel
-                    continue
+        for dtype, group in self._by_dtype(entries).items():
+            for indices in chunk_groups([e.nbytes for e in group], CHUNK_BYTES):
+                chunk = [group[i] for i in indices]
                 try:
-                    buf = self._allocate(chunk_numel, dtype)
+                    buf = self._allocate(sum(c.slot_numel for c in chunk), dtype)
                 except (RuntimeError, MemoryError, faults.InjectedFault):
                     failed.extend(chunk)
-                else:
-                    self.chunks.append(buf)
-                    offset = 0
-                    for c in chunk:
-                        c.slot = buf.narrow(0, offset, c.slot_numel)
-                        c.placement = self.placement
-                        offset += c.slot_numel
-                if e is not None:
-                    chunk, chunk_numel = [e], e.slot_numel
+                    continue
+                self.chunks.append(buf)
+                offset = 0
+                for c in chunk:
+                    c.slot = buf.narrow(0, offset, c.slot_numel)
+                    c.placement = self.placement
+                    offset += c.slot_numel
         return failed
 
     def release_unused(self, entries: Iterable[CacheEntry]) -> None:
