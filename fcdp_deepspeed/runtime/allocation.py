@@ -27,6 +27,11 @@ def _request(entry: CacheEntry) -> SlotRequest:
     return SlotRequest(entry.param.ds_id, entry.nbytes, frozen=not entry.param.requires_grad)
 
 
+def _in_placement_order(entries: list[CacheEntry]) -> list[CacheEntry]:
+    by_key = {e.param.ds_id: e for e in entries}
+    return [by_key[r.key] for r in placement_order([_request(e) for e in entries])]
+
+
 #: Optimizer step boundary at which ``auto`` mode measures and promotes: the first step has no
 #: prefetch trace yet, so only the second has run a complete step (prefetch included).
 AUTO_PROMOTE_STEP = 2
@@ -110,8 +115,10 @@ class Allocation:
         cache.disable(over_budget, "over budget")
         pin = self.config.pin_memory
         failed: list[CacheEntry] = []
+        kept = {id(e) for e, ok in zip(entries, agreed) if ok}
+        ordered = _in_placement_order(entries)  # the order _count_pool_costs priced the host pool in
         for placement in Placement:
-            wanted = [e for e, ok in zip(entries, agreed) if ok and plan[e.param.ds_id] is placement]
+            wanted = [e for e in ordered if id(e) in kept and plan[e.param.ds_id] is placement]
             if wanted:
                 pool = SlotPool(placement, pin=pin)
                 failed += pool.reserve(wanted)
@@ -141,9 +148,7 @@ class Allocation:
     def _count_pool_costs(self, entries: list[CacheEntry], plan: dict) -> None:
         """Un-place the host entries (last in placement order first) whose chunking and pinned rounding
         would take the pool past the host budget (``plan_placement`` counts slot bytes only)."""
-        by_key = {e.param.ds_id: e for e in entries}
-        host = [by_key[r.key] for r in placement_order([_request(e) for e in entries])
-                if plan[r.key] is Placement.HOST]
+        host = [e for e in _in_placement_order(entries) if plan[e.param.ds_id] is Placement.HOST]
         fits = fit_prefix(SlotPool(Placement.HOST, pin=self.config.pin_memory).cost, host, self.host_budget)
         for e in host[fits:]:
             plan[e.param.ds_id] = None
