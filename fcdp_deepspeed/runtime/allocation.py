@@ -17,7 +17,7 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed import memory
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
-from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.config import Budget, FCDPConfig
 from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
 from fcdp_deepspeed.stats import fmt_bytes
 from fcdp_deepspeed.topology import Topology
@@ -37,7 +37,7 @@ def _in_placement_order(entries: list[CacheEntry]) -> list[CacheEntry]:
 AUTO_PROMOTE_STEP = 2
 
 
-def host_budget_per_node(spec, limit: memory.MemoryLimit) -> tuple[int, bool]:
+def host_budget_per_node(spec: Budget, limit: memory.MemoryLimit) -> tuple[int, bool]:
     """A host budget resolved against the usable limit (percentages of it; sizes capped by it).
     Returns ``(bytes, capped)``: ``capped`` when an explicit size exceeded what the limit allows."""
     usable = memory.usable_host(limit)
