@@ -30,6 +30,7 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedP
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import device, faults
+from fcdp_deepspeed.memory import pinned_cost
 from fcdp_deepspeed.stats import CacheCounters
 
 
@@ -77,14 +78,37 @@ class CacheEntry:
 
 
 #: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
+#: A power of two: a full pinned chunk costs exactly its size (see ``memory.pinned_cost``).
 CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_groups(nbytes: list[int], chunk_bytes: int) -> list[list[int]]:
+    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``
+    (a larger slot gets a chunk of its own)."""
+    chunks: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(nbytes):
+        if chunks and used + n <= chunk_bytes:
+            chunks[-1].append(i)
+            used += n
+        else:
+            chunks.append([i])
+            used = n
+    return chunks
+
+
+def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
+    """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
+    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned) for chunk in chunk_groups(nbytes, chunk_bytes))
 
 
 class SlotPool:
     """Flat buffers per dtype, allocated once at planning time; every slot is a view into one.
 
     Why pooled: pinned allocations are slow and a known source of host OOMs, so the pool is sized
-    from the plan, allocated before the first step and never grows or shrinks per step.
+    from the plan, allocated before the first step and never grows or shrinks per step. A pinned
+    chunk is allocated at its power-of-two rounded size (what the caching host allocator takes
+    anyway), so ``nbytes`` is the memory really held and :meth:`cost` predicts it.
     """
 
     def __init__(self, placement: Placement, pin: bool) -> None:
@@ -102,46 +126,55 @@ class SlotPool:
         """Bytes actually page-locked (0 where the accelerator cannot pin host memory, e.g. the CPU)."""
         return sum(c.numel() * c.element_size() for c in self.chunks if self.pin and device.is_pinned(c))
 
+    @property
+    def rounds(self) -> bool:
+        """Whether chunks are pinned for real, so each costs its power-of-two rounding."""
+        return self.pin and device.pins_host_memory()
+
+    def cost(self, entries: Iterable[CacheEntry]) -> int:
+        """Bytes :meth:`reserve` would allocate for ``entries`` (chunking and pinned rounding included)."""
+        return sum(chunks_cost([e.nbytes for e in group], CHUNK_BYTES, self.rounds)
+                   for group in self._by_dtype(entries).values())
+
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         faults.maybe_fail(f"alloc_{self.placement.value}")
         if self.placement is Placement.DEVICE:
             buf = device.accel_empty(numel, dtype)
+        elif self.pin:
+            numel = pinned_cost(numel * dtype.itemsize, self.rounds) // dtype.itemsize
+            buf = device.pin_empty(numel, dtype)
         else:
-            buf = device.pin_empty(numel, dtype) if self.pin else device.host_empty(numel, dtype)
+            buf = device.host_empty(numel, dtype)
         # [Note: zero padding] Slots are zeroed once here: fills write only the parameter's elements, so the
         # padding past ``valid_numel`` stays zero without a host write racing an in-flight copy.
         buf.zero_()
         self.allocations += 1
         return buf
 
-    def reserve(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
-        """Give each entry a slot; return the entries whose chunk could not be allocated."""
+    @staticmethod
+    def _by_dtype(entries: Iterable[CacheEntry]) -> dict[torch.dtype, list[CacheEntry]]:
         by_dtype: dict[torch.dtype, list[CacheEntry]] = {}
         for e in entries:
             by_dtype.setdefault(e.dtype, []).append(e)
+        return by_dtype
+
+    def reserve(self, entries: Iterable[CacheEntry]) -> list[CacheEntry]:
+        """Give each entry a slot; return the entries whose chunk could not be allocated."""
         failed: list[CacheEntry] = []
-        for dtype, group in by_dtype.items():
-            itemsize = dtype.itemsize
-            chunk: list[CacheEntry] = []
-            chunk_numel = 0
-            for e in group + [None]:  # type: ignore[list-item]
-                if e is not None and (not chunk or (chunk_numel + e.slot_numel) * itemsize <= CHUNK_BYTES):
-                    chunk.append(e)
-                    chunk_numel += e.slot_numel
-                    continue
+        for dtype, group in self._by_dtype(entries).items():
+            for indices in chunk_groups([e.nbytes for e in group], CHUNK_BYTES):
+                chunk = [group[i] for i in indices]
                 try:
-                    buf = self._allocate(chunk_numel, dtype)
+                    buf = self._allocate(sum(c.slot_numel for c in chunk), dtype)
                 except (RuntimeError, MemoryError, faults.InjectedFault):
                     failed.extend(chunk)
-                else:
-                    self.chunks.append(buf)
-                    offset = 0
-                    for c in chunk:
-                        c.slot = buf.narrow(0, offset, c.slot_numel)
-                        c.placement = self.placement
-                        offset += c.slot_numel
-                if e is not None:
-                    chunk, chunk_numel = [e], e.slot_numel
+                    continue
+                self.chunks.append(buf)
+                offset = 0
+                for c in chunk:
+                    c.slot = buf.narrow(0, offset, c.slot_numel)
+                    c.placement = self.placement
+                    offset += c.slot_numel
         return failed
 
     def release_unused(self, entries: Iterable[CacheEntry]) -> None:

@@ -57,9 +57,17 @@ class Door:
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device="cpu")
 
+    def pins_host_memory(self) -> bool:
+        """Whether pinning really page-locks memory (so the caching host allocator's power-of-two
+        rounding is paid); not on the CPU accelerator, strict mode included."""
+        return self.accel_device().type != "cpu"
+
     def pin_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Pinned host memory (plain host memory where the accelerator cannot pin, e.g. the CPU)."""
-        return get_accelerator().pin_memory(self.host_empty(numel, dtype))
+        """Pinned host memory, allocated page-locked directly (never a pageable buffer copied into a pinned
+        one); plain host memory where the accelerator cannot pin, e.g. the CPU."""
+        if not self.pins_host_memory():
+            return self.host_empty(numel, dtype)
+        return get_accelerator().pin_empty(numel, dtype=dtype)
 
     def accel_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.accel_device())
@@ -175,6 +183,10 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return _DOOR.host_empty(numel, dtype)
+
+
+def pins_host_memory() -> bool:
+    return _DOOR.pins_host_memory()
 
 
 def pin_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

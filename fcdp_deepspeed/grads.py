@@ -43,14 +43,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-import psutil
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import deepspeed.comm.comm as _comm_module
-from fcdp_deepspeed import device, faults
+from fcdp_deepspeed import device, faults, memory
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.stats import EventCounters, fmt_bytes
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
@@ -271,11 +270,15 @@ class GradReducer:
                            f"nodes on every micro-step instead. Raise {key} to buffer them.")
 
     def _budget_bytes(self, on_device: bool) -> int:
-        """This rank's share: accelerator budget per rank, or the host budget per node split over its ranks."""
+        """This rank's share: accelerator budget per rank, or the host budget per node (resolved against
+        ``memory.host_limit`` less its margin) split over its ranks. A pinned buffer costs its power-of-two
+        rounding, so the host share is the largest request whose pinned cost fits."""
         spec = self.config.grad_buffer_budget_spec
         if on_device:
             return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
-        return spec.resolve(psutil.virtual_memory().available, auto_fraction=0.25) // self.layout.per_node
+        usable = memory.usable_host(memory.host_limit())
+        share = min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
+        return memory.pinned_capacity(share, self.config.pin_memory and device.pins_host_memory())
 
     def _allocate(self, numel: int, on_device: bool) -> Optional[torch.Tensor]:
         """The buffer, allocated once (pinned on the host); ``None`` when allocation fails here."""
@@ -487,7 +490,8 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
     if not config.grad_modes_active:
         return None
     if topo.num_nodes == 1 or topo.ranks_per_node == 1:
-        if not _DEGENERATE_WARNED and dist.get_rank() == 0:
+        # one node: the cache's attach line already said that FCDP takes no memory there
+        if not _DEGENERATE_WARNED and topo.num_nodes > 1 and dist.get_rank() == 0:
             from deepspeed.utils import logger
             logger.warning(f"fcdp: grad_reduce = {config.grad_reduce!r}, grad_accumulation = {config.grad_accumulation!r} "
                            f"have nothing to split with {topo.num_nodes} node(s) x {topo.ranks_per_node} rank(s) per "

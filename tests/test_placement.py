@@ -3,6 +3,7 @@ and pool allocations that fail (degrade to plain ZeRO-3 without changing a loss)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import run_ranks
 from fcdp_deepspeed.cache import Placement
@@ -47,16 +48,19 @@ def test_device_mode_places_slices_on_the_accelerator(modes):
     assert s["device_pool_bytes"] == 12672 and s["host_pool_bytes"] == 0
 
 
-def test_auto_mode_promotes_after_the_first_step(modes):
+def test_auto_mode_promotes_after_the_second_step(modes):
+    """Step 1 has no prefetch trace, so auto measures after step 2 (the first complete step)."""
     r = modes[0]["auto"]
-    assert r.step_stats[0]["device_pool_bytes"] == 12672 and r.stats["host_pool_bytes"] == 0
-    assert any("moved 12 cached slices" in m for m in r.extra["log"])
+    assert r.step_stats[0]["device_pool_bytes"] == 0 and r.step_stats[0]["host_pool_bytes"] == 12672
+    assert r.step_stats[1]["device_pool_bytes"] == 12672 and r.stats["host_pool_bytes"] == 0
+    assert any("moved 12 cached slices" in m and "after step 2" in m for m in r.extra["log"])
 
 
 def test_pool_is_allocated_once(modes):
     for mode in ("host", "device", "small_budget", "auto"):
-        counts = [(s["host_pool_allocations"], s["device_pool_allocations"]) for s in modes[0][mode].step_stats]
-        assert len(set(counts)) == 1, (mode, counts)  # nothing allocated per step (auto: both at step 1)
+        stats = modes[0][mode].step_stats[1 if mode == "auto" else 0:]  # auto: promoted at step 2
+        counts = [(s["host_pool_allocations"], s["device_pool_allocations"]) for s in stats]
+        assert len(set(counts)) == 1, (mode, counts)  # nothing allocated per step
 
 
 def test_small_host_budget_caches_only_what_fits(modes):
@@ -89,3 +93,27 @@ def test_allocation_failure_everywhere_runs_plain_zero3(monkeypatch):
     monkeypatch.setenv("FCDP_INJECT_FAULT", "alloc_host")
     for r in run_ranks("placement:degraded_allocation", 4):
         assert r["fcdp"] == r["plain"] and r["stats"]["cached_params"] == 0 and r["stats"]["cache_hits"] == 0
+
+
+# -- one node --------------------------------------------------------------------------------------
+def test_one_node_takes_no_cache_memory_and_is_plain_zero3():
+    """All ranks on one node (the hostname layout, or ranks_per_node = world): no slot, no gradient
+    buffer, one log line, bit-identical to ZeRO-3, and FCDP's counters still report."""
+    res = run_ranks("placement:one_node", 4, timeout=600)
+    for rank, r in enumerate(res):
+        plain = r["plain"]
+        for name in ("hostname", "rpn4"):
+            f = r[name]
+            assert f.extra["optimizer_class"] == "FCDPStage3" and f.extra["pools"] == 0
+            s = f.stats
+            assert s["num_nodes"] == 1 and s["cached_params"] == 0 and s["cache_hits"] == 0
+            assert s["host_pool_bytes"] == s["device_pool_bytes"] == s["pinned_pool_bytes"] == 0
+            assert s.get("grad_buffer_host_bytes", 0) == s.get("grad_buffer_device_bytes", 0) == 0
+            assert s["uncached_fetches"] > 0 and s["optimizer_steps"] == 3  # counters still report
+            assert f.losses == plain.losses
+            assert all(torch.equal(plain.weights[k], f.weights[k]) for k in plain.weights)
+            logs = f.extra["log"]
+            if rank == 0:
+                assert len(logs) == 1 and "one node" in logs[0] and "no cache slots, no gradient buffer" in logs[0]
+            else:
+                assert logs == []

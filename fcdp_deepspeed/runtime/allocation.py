@@ -7,25 +7,55 @@ budgets it is given, allocates the pools, and makes the *cached or not* outcome 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-import psutil
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, memory
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
-from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
+from fcdp_deepspeed.config import Budget, FCDPConfig
+from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
 from fcdp_deepspeed.stats import fmt_bytes
 from fcdp_deepspeed.topology import Topology
 
 
 def _request(entry: CacheEntry) -> SlotRequest:
     return SlotRequest(entry.param.ds_id, entry.nbytes, frozen=not entry.param.requires_grad)
+
+
+def _in_placement_order(entries: list[CacheEntry]) -> list[CacheEntry]:
+    by_key = {e.param.ds_id: e for e in entries}
+    return [by_key[r.key] for r in placement_order([_request(e) for e in entries])]
+
+
+#: Optimizer step boundary at which ``auto`` mode measures and promotes: the first step has no
+#: prefetch trace yet, so only the second has run a complete step (prefetch included).
+AUTO_PROMOTE_STEP = 2
+
+
+def host_budget_per_node(spec: Budget, limit: memory.MemoryLimit) -> tuple[int, bool]:
+    """A host budget resolved against the usable limit (percentages of it; sizes capped by it).
+    Returns ``(bytes, capped)``: ``capped`` when an explicit size exceeded what the limit allows."""
+    usable = memory.usable_host(limit)
+    wanted = spec.resolve(usable, auto_fraction=0.5)
+    return min(wanted, usable), wanted > usable
+
+
+def fit_prefix(cost: Callable[[list], int], ordered: list, budget: int) -> int:
+    """How many of ``ordered`` (placement order) fit ``budget`` under ``cost`` (e.g. a pool's, chunking
+    and pinned rounding counted). The cost of a prefix only grows: binary search."""
+    lo, hi = 0, len(ordered)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(ordered[:mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(eq=False)
@@ -45,15 +75,23 @@ class Allocation:
     degraded: int = 0
     host_budget: int = 0
     device_budget: int = 0
+    #: Host memory limit the host budget was resolved against (cgroup, SLURM or psutil, named).
+    host_limit: memory.MemoryLimit | None = None
+    steps: int = 0
 
     def _budgets(self) -> tuple[int, int]:
         topo = self.topology
-        host_node = self.config.host_budget_spec.resolve(psutil.virtual_memory().available, auto_fraction=0.5)
+        self.host_limit = memory.host_limit()
+        host_node, capped = host_budget_per_node(self.config.host_budget_spec, self.host_limit)
+        if capped and dist.get_rank() == 0:
+            logger.warning(f"fcdp: fcdp.host_budget {self.config.host_budget} exceeds the host memory this node may "
+                           f"still take ({self.host_limit.describe()}, less a margin of "
+                           f"{fmt_bytes(memory.host_margin(self.host_limit.bytes))}); using {fmt_bytes(host_node)}.")
         host = host_node // topo.ranks_per_node
-        device = 0
+        accel = 0
         if self.config.cache_device == "device":
-            device = self.config.device_budget_spec.resolve(get_accelerator().available_memory(), auto_fraction=0.5)
-        return host, device
+            accel = self.config.device_budget_spec.resolve(get_accelerator().available_memory(), auto_fraction=0.5)
+        return host, accel
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Collective: a flag stays true only if it is true on every rank of the DP group."""
@@ -70,13 +108,16 @@ class Allocation:
         entries = list(cache.entries.values())  # ds_id order: identical on every rank
         host_budget, device_budget = self.host_budget, self.device_budget = self._budgets()
         plan = plan_placement([_request(e) for e in entries], self.config.cache_device, host_budget, device_budget)
+        self._count_pool_costs(entries, plan)
         agreed = self._agree([plan[e.param.ds_id] is not None for e in entries])
         over_budget = [e for e, ok in zip(entries, agreed) if not ok]
         cache.disable(over_budget, "over budget")
         pin = self.config.pin_memory
         failed: list[CacheEntry] = []
+        kept = {id(e) for e, ok in zip(entries, agreed) if ok}
+        ordered = _in_placement_order(entries)  # the order _count_pool_costs priced the host pool in
         for placement in Placement:
-            wanted = [e for e, ok in zip(entries, agreed) if ok and plan[e.param.ds_id] is placement]
+            wanted = [e for e in ordered if id(e) in kept and plan[e.param.ds_id] is placement]
             if wanted:
                 pool = SlotPool(placement, pin=pin)
                 failed += pool.reserve(wanted)
@@ -95,26 +136,37 @@ class Allocation:
             if over_budget:
                 logger.warning(
                     f"fcdp: {len(over_budget)} parameters ({fmt_bytes(self.uncached_bytes)} per rank) do not fit the "
-                    f"cache budget (host {fmt_bytes(host_budget)} per rank, device {fmt_bytes(device_budget)}) "
+                    f"cache budget (host {fmt_bytes(host_budget)} per rank, from {self.host_limit.describe()} less a "
+                    f"margin; device {fmt_bytes(device_budget)}) "
                     f"and take the plain ZeRO-3 path. Raise fcdp.host_budget"
                     f"{' or fcdp.device_budget' if self.config.cache_device == 'device' else ''} to cache them.")
             if degraded:
                 logger.warning(f"fcdp: cache allocation failed for {len(degraded)} parameters on at least one rank; "
                                f"they take the plain ZeRO-3 path on every rank. Training continues unchanged.")
 
+    def _count_pool_costs(self, entries: list[CacheEntry], plan: dict) -> None:
+        """Un-place the host entries (last in placement order first) whose chunking and pinned rounding
+        would take the pool past the host budget (``plan_placement`` counts slot bytes only)."""
+        host = [e for e in _in_placement_order(entries) if plan[e.param.ds_id] is Placement.HOST]
+        fits = fit_prefix(SlotPool(Placement.HOST, pin=self.config.pin_memory).cost, host, self.host_budget)
+        for e in host[fits:]:
+            plan[e.param.ds_id] = None
+
     def on_step_end(self) -> None:
-        """``auto`` mode: promote once, at the first optimizer step boundary."""
-        if self.config.cache_device == "auto" and not self.promoted:
+        """``auto`` mode: promote once, at the boundary of step ``AUTO_PROMOTE_STEP``."""
+        self.steps += 1
+        if self.config.cache_device == "auto" and not self.promoted and self.steps >= AUTO_PROMOTE_STEP:
             self.promoted = True
             self._promote_to_device()
 
     def _promote_to_device(self) -> None:
-        """``auto`` mode, first step boundary: move host slices to the accelerator within the headroom
-        the first step left unused (total minus its peak), so the cache never takes memory a step
-        needed. Placement only: which parameters are cached does not change, so no agreement is needed.
+        """``auto`` mode, after a complete step (prefetch included): move host slices to the accelerator
+        within the headroom those steps left unused (total minus the allocator's peak *reserved* memory,
+        minus ``memory.device_margin``), so the cache never takes memory a step needed. Placement only:
+        which parameters are cached does not change, so no agreement is needed.
         """
         acc = get_accelerator()
-        headroom = max(0, acc.total_memory() - acc.max_memory_allocated())
+        headroom = memory.auto_device_headroom(acc.total_memory(), acc.max_memory_reserved())
         budget = min(headroom, self.config.device_budget_spec.resolve(headroom, auto_fraction=0.5))
         host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]
         plan = plan_placement([_request(e) for e in host], "device", host_budget=0, device_budget=budget)
@@ -127,7 +179,7 @@ class Allocation:
         self.cache.pools[Placement.HOST].release_unused(self.cache.entries.values())
         if dist.get_rank() == 0:
             logger.info(f"fcdp: moved {len(moved)} cached slices ({fmt_bytes(sum(e.nbytes for e in moved))}) to "
-                        f"the accelerator (headroom after step 1: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")
+                        f"the accelerator (headroom after step {self.steps}: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")
 
 
 #: Settings to change, by why an engine's parameters got no cache entry (``Attachment.uncached``).
@@ -149,6 +201,8 @@ def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
     enabled the block would otherwise only see it in ``get_stats``' ``uncached_reasons``."""
     if any(e.state is not EntryState.DISABLED for e in allocation.cache.entries.values()):
         return
+    if allocation.topology.num_nodes == 1:
+        return  # attach said so, once
     reasons = [f"{count} {reason}: {_FIXES.get(reason, 'see uncached_reasons in get_stats')}"
                for reason, count in sorted(attachment.uncached.items())]
     if allocation.over_budget:

@@ -35,6 +35,10 @@ from fcdp_deepspeed.stats import LEDGER, CacheCounters
 from fcdp_deepspeed.topology import Topology, TopologyError, build_topology, group_ranks
 
 
+#: ``Attachment.uncached`` reason of every parameter when the DP group lies on one node.
+ONE_NODE = "one node (nothing to save across nodes)"
+
+
 @dataclass(eq=False)
 class Attachment:
     """What attaching one engine produced; fixed for the engine's life."""
@@ -87,10 +91,19 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
     and retrofit the ``zero.Init`` instances that partitioned them (slots are allocated later)."""
     topo = build_topology(dp_group, config.ranks_per_node)
     LEDGER.install(topo.node_of_rank, topo.source)
-    if topo.num_nodes == 1 and dist.get_rank() == 0:
-        logger.warning("fcdp: all data-parallel ranks are on one node; there is no inter-node traffic to save. "
-                       "Set fcdp.ranks_per_node to simulate several nodes.")
     attached = Attachment(topo, NodeCache(topo.rank_in_node, counters, checksums=config.verify_rate > 0))
+    if topo.num_nodes == 1:
+        # [Note: one node] The cache saves inter-node bytes only; on one node it would hold model/L per
+        # rank and refill every step for nothing. So no entry, no slot, no hpZ retrofit: DeepSpeed's own
+        # path, bit for bit, with the gathers still counted (fetch wrappers). grads.build_reducer
+        # likewise builds no gradient buffer; this is the one log line for both.
+        attached.uncached[ONE_NODE] = len(params)
+        if dist.get_rank() == 0:
+            logger.warning(f"fcdp: all {topo.dp_size} data-parallel ranks are on one node: there is no inter-node "
+                           f"traffic to save, so FCDP takes no memory (no cache slots, no gradient buffer) and the "
+                           f"job runs as plain ZeRO-3 with FCDP's counters reporting. Set fcdp.ranks_per_node to "
+                           f"simulate several nodes.")
+        return attached
     hooks = {}
     for param in _select_candidates(params, topo, config.min_numel, attached.uncached):
         owner = init_owner(param)

@@ -240,3 +240,70 @@ def refusals(cases: list[dict]) -> list[str]:
         except Exception as err:  # noqa: BLE001 - the test reads the message
             out.append(f"{type(err).__name__}: {err}")
     return out
+
+
+def record_rank_gradients(engine) -> dict[int, torch.Tensor]:
+    """Observe (not change) each parameter's full gradient on this rank as it is handed to the
+    reduction: ``ds_id`` -> float64 sum over the micro-steps of the current window."""
+    opt = engine.optimizer
+    original = opt.reduce_ready_partitions_and_remove_grads
+    seen: dict[int, torch.Tensor] = {}
+
+    def observe(param):
+        g = param.grad.detach().reshape(-1).double()
+        seen[param.ds_id] = seen[param.ds_id] + g if param.ds_id in seen else g.clone()
+        return original(param)
+
+    opt.reduce_ready_partitions_and_remove_grads = observe
+    return seen
+
+
+def bf16_errors(sc: dict, fcdp: dict | None) -> list[dict]:
+    """Train ``sc`` in bf16 and, at every accumulation boundary, compare this rank's fp32 gradient
+    partition with the exact (float64) average over ranks and micro-steps of the bf16 gradients the
+    ranks really produced (recorded as each is handed to the reduction), so only the reduction's
+    rounding is measured, not bf16's forward/backward."""
+    cfg = _config({**sc, "dtype": "bf16"}, fcdp)
+    hidden = sc.get("hidden", 32)
+    engine = build(sc, cfg)
+    seen = record_rank_gradients(engine)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    out = []
+    micro = 0
+    for _ in range(sc.get("steps", 2)):
+        for _ in range(engine.gradient_accumulation_steps()):
+            x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden)
+            engine.backward(F.mse_loss(engine(x.to(torch.bfloat16)).float(), y))
+            if engine.is_gradient_accumulation_boundary():
+                err = ref_max = rel = 0.0
+                for n, p in named:
+                    exact = seen.pop(p.ds_id).clone()
+                    dist.all_reduce(exact)
+                    chunk = -(-p.ds_numel // world)
+                    own = own_chunk_numel(p.ds_numel, world, rank)
+                    if not own:
+                        continue
+                    ref = (exact / world).narrow(0, rank * chunk, own)
+                    got = safe_get_local_grad(p).reshape(-1)[:own].double()
+                    diff = (got - ref).abs()
+                    err = max(err, diff.max().item())
+                    ref_max = max(ref_max, ref.abs().max().item())
+                    rel = max(rel, (diff / ref.abs().clamp_min(1e-30))[ref.abs() > 1e-3 * ref.abs().max()].max().item())
+                out.append({"abs_err": err, "ref_max": ref_max, "rel_err": rel,
+                            "grad_dtype": str(safe_get_local_grad(named[0][1]).dtype)})
+            engine.step()
+            micro += 1
+    return out
+
+
+def bf16_error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "") -> dict:
+    """Per scenario, in bf16: boundary errors of plain ZeRO-3 and of each FCDP gradient mode."""
+    setup(ranks_per_node)
+    sabotage(break_kind)
+    result = {}
+    for sc in scenarios:
+        modes = {"zero3": None, **{name: {"enabled": True, "ranks_per_node": ranks_per_node, **block}
+                                   for name, block in sc["modes"].items()}}
+        result[sc["name"]] = {name: bf16_errors(sc, block) for name, block in modes.items()}
+    return result

@@ -35,3 +35,26 @@ def degraded_allocation(steps: int = 4, chunk_bytes: int = 4096) -> dict:
     plain = run_scenario({"steps": steps}, fcdp=False)
     fcdp = run_scenario({"steps": steps}, fcdp=True)
     return {"plain": plain.losses, "fcdp": fcdp.losses, "stats": fcdp.stats, "log": capture.fcdp()}
+
+
+def one_node(steps: int = 3) -> dict:
+    """4 ranks on one node, through deepspeed.initialize: with no fcdp.ranks_per_node (the hostname
+    layout) and with ranks_per_node = 4, node accumulation on, vs plain ZeRO-3."""
+    import copy
+
+    from fcdp_deepspeed.tools import toy
+    setup(4)
+    capture = LogCapture()
+    out = {}
+    for name, block in (("plain", None), ("hostname", {"enabled": True, "grad_accumulation": "node"}),
+                        ("rpn4", {"enabled": True, "ranks_per_node": 4, "grad_accumulation": "node"})):
+        before = len(capture.messages)
+        engine = toy.build_engine(copy.deepcopy(toy.ds_config(block, grad_accum=2)))
+        res = toy.train(engine, steps, record_step_stats=True)
+        res.weights = toy.gather_weights(engine)
+        res.extra["log"] = [m for m in capture.messages[before:] if m.startswith("fcdp:")]
+        res.extra["optimizer_class"] = type(engine.optimizer).__name__
+        cache = engine.optimizer.fcdp.cache if block else None
+        res.extra["pools"] = sum(p is not None for p in cache.pools.values()) if cache else 0
+        out[name] = res
+    return out

@@ -1,0 +1,133 @@
+"""Memory limits and costs (``fcdp_deepspeed.memory``): cgroup v1/v2 and SLURM limits read from real
+files in temporary directories, pinned rounding, margins, the ``auto`` headroom, and the pool and
+budget accounting built on them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fcdp_deepspeed import memory
+from fcdp_deepspeed.memory import GiB
+
+MiB = 2**20
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def v2_tree(tmp_path: Path, leaf_max: str, leaf_current: int, parent_max: str = "max", parent_current: int = 0):
+    """A cgroup v2 mount with the process in /job/step (parent /job), and its /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    write(root / "cgroup.controllers", "cpu memory")
+    write(root / "job" / "memory.max", parent_max)
+    write(root / "job" / "memory.current", str(parent_current))
+    write(root / "job" / "step" / "memory.max", leaf_max)
+    write(root / "job" / "step" / "memory.current", str(leaf_current))
+    proc = tmp_path / "proc_cgroup"
+    write(proc, "0::/job/step")
+    return root, proc
+
+
+def test_cgroup_v2_limit_minus_usage_is_named(tmp_path):
+    root, proc = v2_tree(tmp_path, str(16 * GiB), 4 * GiB)
+    limit = memory.host_limit(100 * GiB, cgroup_root=root, proc_cgroup=proc, environ={}, used_bytes=0)
+    assert limit.bytes == 12 * GiB
+    assert limit.source.startswith("cgroup v2") and "job/step/memory.max" in limit.source
+    assert "12 GiB" in limit.describe()
+
+
+def test_cgroup_v2_tightest_ancestor_counts(tmp_path):
+    root, proc = v2_tree(tmp_path, "max", 1 * GiB, parent_max=str(8 * GiB), parent_current=6 * GiB)
+    limit = memory.host_limit(100 * GiB, cgroup_root=root, proc_cgroup=proc, environ={}, used_bytes=0)
+    assert limit.bytes == 2 * GiB and "/job/memory.max" in limit.source
+
+
+def test_cgroup_v2_unlimited_leaves_psutil(tmp_path):
+    root, proc = v2_tree(tmp_path, "max", 1 * GiB)
+    limit = memory.host_limit(5 * GiB, cgroup_root=root, proc_cgroup=proc, environ={}, used_bytes=0)
+    assert (limit.bytes, limit.source) == (5 * GiB, "psutil available")
+
+
+def test_cgroup_v1_limit_and_hidden_path(tmp_path):
+    """v1: memory.limit_in_bytes - usage; a container mount where the listed path does not exist is
+    the process's own cgroup; the v1 'unlimited' value is no limit."""
+    root = tmp_path / "cgroup"
+    write(root / "memory" / "memory.limit_in_bytes", str(10 * GiB))
+    write(root / "memory" / "memory.usage_in_bytes", str(3 * GiB))
+    proc = tmp_path / "proc_cgroup"
+    write(proc, "4:memory:/process_api/abc\n0::/")
+    limit = memory.host_limit(100 * GiB, cgroup_root=root, proc_cgroup=proc, environ={}, used_bytes=0)
+    assert limit.bytes == 7 * GiB and limit.source.startswith("cgroup v1")
+    write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712")
+    limit = memory.host_limit(100 * GiB, cgroup_root=root, proc_cgroup=proc, environ={}, used_bytes=0)
+    assert limit.source == "psutil available"
+
+
+def test_slurm_limits(tmp_path):
+    none = tmp_path / "missing"
+    env = {"SLURM_MEM_PER_NODE": "4096"}
+    limit = memory.host_limit(100 * GiB, cgroup_root=none, proc_cgroup=none, environ=env, used_bytes=1 * GiB)
+    assert limit.bytes == 3 * GiB and limit.source == "SLURM_MEM_PER_NODE=4096M"
+    env = {"SLURM_MEM_PER_CPU": "1024", "SLURM_CPUS_ON_NODE": "8"}
+    limit = memory.host_limit(100 * GiB, cgroup_root=none, proc_cgroup=none, environ=env, used_bytes=0)
+    assert limit.bytes == 8 * GiB and "SLURM_MEM_PER_CPU" in limit.source
+    assert memory.slurm_limit({"SLURM_MEM_PER_NODE": "0"}, 0) is None  # 0 = the whole node
+
+
+def test_tightest_of_all_sources_wins(tmp_path):
+    root, proc = v2_tree(tmp_path, str(16 * GiB), 4 * GiB)
+    limit = memory.host_limit(100 * GiB, cgroup_root=root, proc_cgroup=proc,
+                              environ={"SLURM_MEM_PER_NODE": str(2 * 1024)}, used_bytes=0)
+    assert limit.bytes == 2 * GiB and limit.source.startswith("SLURM")
+    assert [c[1] for c in limit.candidates] == sorted(c[1] for c in limit.candidates)
+
+
+@pytest.mark.parametrize("nbytes, cost", [(0, 0), (1, 1), (3, 4), (4, 4), (5, 8), (257 * MiB, 512 * MiB),
+                                          (256 * MiB, 256 * MiB)])
+def test_pinned_cost_rounds_to_a_power_of_two(nbytes, cost):
+    assert memory.pinned_cost(nbytes) == cost
+    assert memory.pinned_cost(nbytes, pinned=False) == nbytes
+
+
+def test_pinned_capacity_is_the_largest_request_that_fits():
+    for budget in (1, 5, 8, 1000, 3 * GiB):
+        cap = memory.pinned_capacity(budget)
+        assert memory.pinned_cost(cap) <= budget < memory.pinned_cost(cap + 1)
+    assert memory.pinned_capacity(1000, pinned=False) == 1000
+
+
+def test_margins():
+    assert memory.host_margin(4 * GiB) == GiB and memory.host_margin(100 * GiB) == 10 * GiB
+    assert memory.usable_host(memory.MemoryLimit(512 * MiB, "x")) == 0
+    assert memory.device_margin(16 * GiB) == 2 * GiB and memory.device_margin(141 * GiB) == 141 * GiB // 10
+
+
+def test_auto_headroom_counts_reserved_memory_and_the_margin():
+    # an 80 GiB accelerator whose steps reserved 60 GiB: 80 - 60 - 8 (10%) = 12 GiB
+    assert memory.auto_device_headroom(80 * GiB, 60 * GiB) == 12 * GiB
+    assert memory.auto_device_headroom(16 * GiB, 15 * GiB) == 0  # inside the 2 GiB margin: nothing
+    assert memory.auto_device_headroom(16 * GiB, 20 * GiB) == 0
+
+
+def test_host_budget_is_capped_by_the_limit():
+    from fcdp_deepspeed.config import Budget
+    from fcdp_deepspeed.runtime.allocation import host_budget_per_node
+    limit = memory.MemoryLimit(20 * GiB, "cgroup v2 test")  # usable: 18 GiB
+    assert host_budget_per_node(Budget.parse("host_budget", "50%"), limit) == (9 * GiB, False)
+    assert host_budget_per_node(Budget.parse("host_budget", 64 * GiB), limit) == (18 * GiB, True)
+    assert host_budget_per_node(Budget.parse("host_budget", 4 * GiB), limit) == (4 * GiB, False)
+
+
+def test_pool_cost_counts_chunking_and_pinned_rounding():
+    from fcdp_deepspeed.cache import chunk_groups, chunks_cost
+    from fcdp_deepspeed.runtime.allocation import fit_prefix
+    assert chunk_groups([3, 3, 3, 9], 8) == [[0, 1], [2], [3]]
+    sizes = [24, 24, 24]  # chunks of at most 64 bytes: 48 (pinned: 64) + 24 (pinned: 32)
+    assert chunks_cost(sizes, 64, pinned=True) == 96 and chunks_cost(sizes, 64, pinned=False) == 72
+    cost = lambda prefix: chunks_cost(prefix, 64, pinned=True)  # noqa: E731
+    assert [fit_prefix(cost, sizes, b) for b in (31, 32, 63, 64, 95, 96)] == [0, 1, 1, 2, 2, 3]
+    # a budget that counted slot bytes only (72) would let the pool take 96 pinned bytes
+    assert fit_prefix(cost, sizes, 72) == 2
