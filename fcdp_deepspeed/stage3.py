@@ -46,6 +46,22 @@ def _block_enabled(kwargs: dict) -> bool:
     return parse_fcdp_config(load_ds_config(kwargs.get("ds_config"))).enabled
 
 
+def _without_inherited_hpz_group(kwargs: dict) -> dict:
+    """The keyword arguments of a ``DeepSpeedZeRoOffload`` with ``zero_param_parallel_group`` dropped
+    when the config enables ``fcdp``.
+
+    [Note: DeepSpeed 0.19.8 hands an earlier hpZ engine's group to every later engine]
+    ``groups._create_zero_param_parallel_group`` keeps the ZeRO++ hpZ group in a module global that no
+    engine resets; ``DeepSpeedZeroOptimizer_Stage3.__init__`` (stage3.py:267) and
+    ``DeepSpeedEngine._configure_zero_optimizer`` (engine.py:2717, optimizer-less engines) read it whatever
+    the engine's own ``zero_hpz_partition_size`` and pass it on, and the ``zero.Init`` that partitions a
+    model handed to ``deepspeed.initialize`` unpartitioned (parameter_offload.py:270) becomes an hpZ
+    instance. An FCDP config cannot ask for hpZ (``check_ds_config_compatible``), so any group here is
+    inherited: partition without one; ``runtime.attach`` points the instance at the node group afterwards.
+    """
+    return {**kwargs, "zero_param_parallel_group": None} if _block_enabled(kwargs) else kwargs
+
+
 class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
     """What ``deepspeed.initialize`` builds for ZeRO-3 after :func:`~fcdp_deepspeed.install`:
     DeepSpeed's optimizer, unchanged except that this engine's collectives are counted for
@@ -97,6 +113,9 @@ class FCDPStage3(CountedStage3):
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
+
+    def initialize_ds_offload(self, *args, **kwargs):
+        return super().initialize_ds_offload(*args, **_without_inherited_hpz_group(kwargs))
 
     def _attach(self, module, ds_config: dict) -> None:
         fcdp_config = parse_fcdp_config(ds_config)
@@ -234,7 +253,7 @@ class FCDPZeROOffload(CountedZeROOffload):
         if parse_fcdp_config(ds_config).enabled:
             check_ds_config_compatible(ds_config)
         self.fcdp: FCDPRuntime | None = None
-        super().__init__(module, *args, **kwargs)
+        super().__init__(module, *args, **_without_inherited_hpz_group(kwargs))
 
     def _attach(self, module, ds_config: dict) -> None:
         fcdp_config = parse_fcdp_config(ds_config)

@@ -126,6 +126,22 @@ def test_zero_size_parameters_work_with_fcdp():
     assert losses == reference[0]["plain"].losses  # the empty parameter adds exactly 0
 
 
+# -- engines built one after another ---------------------------------------------------------------
+def test_fcdp_engines_after_a_zeropp_hpz_engine():
+    """DeepSpeed 0.19.8 hands an earlier hpZ engine's process-global group to later engines; FCDP
+    engines on new models must ignore it (they were refused with an hpZ error) and stay bit-identical."""
+    res = run_ranks("parity:after_hpz", 4)
+    for r in res:
+        assert r["inherited_group"]  # the situation under test: the hpZ group is still set
+        assert r["classes"] == ["FCDPStage3", "FCDPZeROOffload"]
+        assert r["fcdp"].losses == r["plain"].losses
+        assert r["fcdp"].stats["cache_hits"] > 0
+        assert all(torch.equal(out, r["offload_reference"]) for out in r["offload"])
+        assert r["offload_stats"]["cache_hits"] > 0
+    plain, fcdp = res[0]["plain"].weights, res[0]["fcdp"].weights
+    assert plain.keys() == fcdp.keys() and all(torch.equal(plain[k], fcdp[k]) for k in plain)
+
+
 # -- concurrency -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_prefetch_overlapping_cache_refills_many_steps():

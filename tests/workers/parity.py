@@ -6,8 +6,9 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 
+import fcdp_deepspeed
 from fcdp_deepspeed.tools import toy
-from workers.common import DTYPES, fcdp_block, run_scenario, setup
+from workers.common import DTYPES, fcdp_block, forward, run_scenario, setup
 
 
 def parity(scenarios: list[dict], ranks_per_node: int = 2) -> dict:
@@ -75,4 +76,29 @@ def prefetch_soak(steps: int = 20) -> dict:
         sc = {"steps": steps, "regime": "default", "zero": zero, "lora_rank": lora, "grad_accum": 2}
         runs = {mode: run_scenario(sc, mode == "fcdp") for mode in ("plain", "fcdp")}
         out[name] = {"plain": runs["plain"].losses, "fcdp": runs["fcdp"].losses, "stats": runs["fcdp"].stats}
+    return out
+
+
+
+def after_hpz(steps: int = 3) -> dict:
+    """In one process: a plain ZeRO-3 reference, a ZeRO++ hpZ engine (which leaves its group in a
+    DeepSpeed module global), then FCDP engines on new, unpartitioned models (training, and
+    optimizer-less, which DeepSpeed builds through a different call site)."""
+    from deepspeed.utils import groups
+    setup()
+    out = {"plain": run_scenario({"steps": steps}, fcdp=False)}
+    toy.train(toy.build_engine(toy.ds_config(regime="large", hpz=2)), 1)
+    out["inherited_group"] = groups._get_zero_param_intra_parallel_group() is not None
+    fcdp_engine = toy.build_engine(toy.ds_config(fcdp_block(), regime="large"))
+    out["fcdp"] = toy.train(fcdp_engine, steps)
+    out["fcdp"].weights = toy.gather_weights(fcdp_engine)
+    torch.manual_seed(0)
+    model = toy.ToyModel(32, 4).eval()
+    with torch.no_grad():
+        out["offload_reference"] = model(torch.randn(2, 32, generator=torch.Generator().manual_seed(7)))
+    cfg = {k: v for k, v in toy.ds_config(fcdp_block(), regime="large").items() if k != "optimizer"}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    out["classes"] = [type(e.optimizer).__name__ for e in (fcdp_engine, engine)]
+    out["offload"] = [forward(engine, 32) for _ in range(2)]  # the second forward is served by the cache
+    out["offload_stats"] = fcdp_deepspeed.get_stats(engine)
     return out
