@@ -44,11 +44,12 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
     return out
 
 
-def miss_bytes(ranks_per_node: int = 2, mode: str = "hierarchical") -> dict:
+def miss_bytes(ranks_per_node: int = 2, mode: str = "hierarchical", break_kind: str = "") -> dict:
     """Gather every parameter once as a cache miss (explicitly, outside the coordinator); per parameter,
     the inter-node all-gather bytes this rank's node received (sum over its ranks) and the parameter's
     aligned bytes, and whether the gathered value equals DeepSpeed's flat gather of the partitions."""
     setup(ranks_per_node)
+    sabotage(break_kind)
     cfg = toy.ds_config({"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": mode})
     engine = toy.build_engine(cfg)
     node_group = engine.optimizer.fcdp.topology.group
@@ -67,3 +68,24 @@ def miss_bytes(ranks_per_node: int = 2, mode: str = "hierarchical") -> dict:
                      "aligned_bytes": p.ds_tensor.numel() * world * p.ds_tensor.element_size()})
         p.partition()
     return {"rows": rows, "stats": fcdp_deepspeed.get_stats(engine)}
+
+
+def megatron(steps: int = 2, tp: int = 2, ranks_per_node: int = 4) -> dict:
+    """TP=tp on the world (ZeRO's DP group a strict subgroup): plain ZeRO-3 and FCDP with each gather."""
+    import deepspeed
+    from workers.topology import MiniMPU
+    setup(ranks_per_node)
+    mpu = MiniMPU(tp)
+    tp_rank = mpu.get_model_parallel_rank()
+    fcdp_deepspeed.install()
+    out = {}
+    for name in ("plain", "flat", "hierarchical"):
+        block = None if name == "plain" else {"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": name}
+        cfg = toy.ds_config(block, regime="large")
+        torch.manual_seed(100 + tp_rank)  # TP peers hold different values
+        with deepspeed.zero.Init(config_dict_or_path=cfg, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group()):
+            model = toy.ToyModel(32, 4)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+        res = toy.train(engine, steps, seed=tp_rank)
+        out[name] = {"losses": res.losses, "stats": res.stats}
+    return out
