@@ -35,7 +35,8 @@ def assert_bit_identical(run: dict, name: str) -> None:
     assert flat.stats["param_gather"] == "flat" and flat.stats["hierarchical_gathers"] == 0
     assert hier.stats["param_gather"] == "hierarchical" and hier.stats["hierarchical_gathers"] > 0
     assert hier.stats["param_gather_fallbacks"] == {}
-    assert hier.stats["inter_node_allgather_bytes"] < flat.stats["inter_node_allgather_bytes"]
+    if not hier.stats["verified_gathers"]:  # verify adds a flat reference gather per checked miss
+        assert hier.stats["inter_node_allgather_bytes"] < flat.stats["inter_node_allgather_bytes"]
 
 
 @pytest.fixture(scope="module")
