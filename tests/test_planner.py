@@ -107,7 +107,8 @@ def test_planner_reads_config(tmp_path, capsys):
     assert out["spec"]["grad_accum"] == 4 and out["spec"]["dtype_bytes"] == 2
 
 
-@pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json"])
+@pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json", "bench_gather_2x2_results.json",
+                                  "bench_gather_2x4_results.json"])
 def test_committed_benchmark_run_matches_planner(name):
     path = ROOT / "docs" / name
     if not path.exists():
