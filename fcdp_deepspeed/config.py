@@ -136,7 +136,8 @@ class FCDPConfig(DeepSpeedConfigModel):
     """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring
     all-gather over the whole data-parallel group ((W-1)/W of the parameter over each node uplink).
     ``hierarchical``: all-gather among node peers, then inside the node ((N-1)/N per uplink); the
-    result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise."""
+    result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
+    (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:

@@ -39,6 +39,17 @@ def assert_bit_identical(run: dict, name: str) -> None:
         assert hier.stats["inter_node_allgather_bytes"] < flat.stats["inter_node_allgather_bytes"]
 
 
+def test_config_key_and_auto_resolution():
+    from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+    cfg = parse_fcdp_config({"fcdp": {"enabled": True}})
+    assert cfg.param_gather == "auto" and cfg.resolved_param_gather(2, 2) == "hierarchical"
+    assert cfg.resolved_param_gather(1, 8) == cfg.resolved_param_gather(4, 1) == "flat"  # degenerate layouts
+    assert parse_fcdp_config({"fcdp": {"param_gather": "flat"}}).resolved_param_gather(2, 2) == "flat"
+    assert parse_fcdp_config({"fcdp": {"param_gather": "hierarchical"}}).resolved_param_gather(1, 2) == "flat"
+    with pytest.raises(FCDPConfigError, match="param_gather"):
+        parse_fcdp_config({"fcdp": {"param_gather": "ring"}})
+
+
 @pytest.fixture(scope="module")
 def parity_2x2():
     return run_ranks("gather:parity", 4, timeout=1200, scenarios=SCENARIOS, ranks_per_node=2)
