@@ -108,7 +108,7 @@ def test_planner_reads_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json", "bench_gather_2x2_results.json",
-                                  "bench_gather_2x4_results.json"])
+                                  "bench_gather_2x4_results.json", "bench_gather_2x4_flat_results.json"])
 def test_committed_benchmark_run_matches_planner(name):
     path = ROOT / "docs" / name
     if not path.exists():
