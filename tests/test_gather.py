@@ -103,7 +103,7 @@ def test_broken_permutation_fails():
 
 def test_verify_catches_a_broken_permutation():
     """``fcdp.verify`` compares every two-stage gather with the flat one and raises on a difference."""
-    with pytest.raises(Exception, match="hierarchical-served value"):
+    with pytest.raises(Exception, match="two-stage gathered value"):
         run_ranks("gather:parity", 4, timeout=600, scenarios=[dict(name="v", steps=1, fcdp={"verify": True})],
                   ranks_per_node=2, break_kind="no_permutation")
 

@@ -115,11 +115,11 @@ class _VerifyingHandle:
             expected = reference.narrow(0, 0, param.ds_numel).to(served.dtype)
             if not torch.equal(served, expected):
                 diff = (served.float() - expected.float()).abs().max().item()
-                why = ("A path changed the parameter without invalidating the cache" if source == "cache" else
+                why = ("A path changed the parameter without invalidating the cache" if source == "cached" else
                        "The hierarchical gather put partitions in the wrong place (fcdp.param_gather = \"flat\" "
                        "avoids it)")
                 raise StaleCacheError(
-                    f"fcdp verify: the {source}-served value of parameter {name!r} differs from its plain ZeRO-3 "
+                    f"fcdp verify: the {source} value of parameter {name!r} differs from its plain ZeRO-3 "
                     f"gather (max abs diff {diff:g}). {why}; please report it with the training loop that "
                     f"triggered it.")
 
@@ -195,7 +195,7 @@ class FetchPath:
             self.miss_gathers += 1
             if rate > 0 and math.floor(self.miss_gathers * rate) != math.floor((self.miss_gathers - 1) * rate):
                 entry = self.cache.entry(p)
-                checks.append((entry.name if entry else f"ds_id={p.ds_id}", p, flat_reference(p), "hierarchical"))
+                checks.append((entry.name if entry else f"ds_id={p.ds_id}", p, flat_reference(p), "two-stage gathered"))
         self.counters.bump(hierarchical_gathers=len(misses), verified_gathers=len(checks))
         return (handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)), checks
 
@@ -206,7 +206,7 @@ class FetchPath:
                            f"(param_gather_fallbacks).")
 
     def count_and_verify(
-            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[tuple[CacheEntry, torch.Tensor]]]:
+            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[Check]]:
         """Count hits/misses of one gather; return the hit entries and the verification references.
 
         Verification samples by each entry's own hit count, which is identical on every rank, so the
@@ -227,7 +227,7 @@ class FetchPath:
             else:
                 misses += 1
         self.counters.bump(hits=len(hit_entries), misses=misses, uncached_fetches=uncached)
-        return hit_entries, [(e.name, e.param, self._reference_gather(e), "cache") for e in to_check]
+        return hit_entries, [(e.name, e.param, self._reference_gather(e), "cached") for e in to_check]
 
     def _reference_gather(self, entry: CacheEntry) -> torch.Tensor:
         """Plain ZeRO-3 gather of a cached parameter, after checking its slot's checksum."""
