@@ -132,6 +132,13 @@ class FCDPConfig(DeepSpeedConfigModel):
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
 
+    param_gather: Literal["flat", "hierarchical", "auto"] = "auto"
+    """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring
+    all-gather over the whole data-parallel group ((W-1)/W of the parameter over each node uplink).
+    ``hierarchical``: all-gather among node peers, then inside the node ((N-1)/N per uplink); the
+    result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
+    (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
+
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
@@ -177,6 +184,13 @@ class FCDPConfig(DeepSpeedConfigModel):
     def grad_modes_active(self) -> bool:
         """Whether gradients leave DeepSpeed's flat, per-rank path (summation order changes)."""
         return self.grad_reduce != "flat" or self.grad_accumulation != "rank"
+
+    def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
+        """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,
+        where both stages would be one) resolve to ``flat``."""
+        if num_nodes > 1 and ranks_per_node > 1 and self.param_gather != "flat":
+            return "hierarchical"
+        return "flat"
 
     def resolved_log_interval(self, steps_per_print: Any) -> int:
         """``log_interval``, or its default given DeepSpeed's ``steps_per_print`` (see the field)."""

@@ -335,10 +335,22 @@ class CacheCounters(EventCounters):
     optimizer_steps: int = 0
     staged_copies: int = 0
     staged_bytes: int = 0
+    hierarchical_gathers: int = 0
+    """Cache misses (and uncached fetches) gathered in two stages (``fcdp.param_gather``)."""
+    verified_gathers: int = 0
+    gather_fallbacks: Counter = field(default_factory=Counter)
+    """Parameters the two-stage gather handed to DeepSpeed's flat ring, by reason."""
 
     def invalidated(self, reason: str, count: int) -> None:
         with self._lock:
             self.invalidations[reason] += count
+
+    def gather_fell_back(self, reason: str, count: int) -> bool:
+        """Count a flat fallback; whether it is the first for ``reason``."""
+        with self._lock:
+            first = reason not in self.gather_fallbacks
+            self.gather_fallbacks[reason] += count
+            return first
 
 
 def fmt_bytes(n: float) -> str:

@@ -70,9 +70,9 @@ def test_small_host_budget_caches_only_what_fits(modes):
         assert small.stats["uncached_params"] >= 1 and small.stats["uncached_bytes"] > 0
         assert small.stats["uncached_fetches"] > 0  # the rest takes the plain ZeRO-3 path ...
         assert small.stats["inter_node_allgather_bytes"] > full.stats["inter_node_allgather_bytes"]  # ... across nodes
-    warnings = modes[0]["small_budget"].extra["log"]
+    warnings = modes[0]["small_budget"].extra["warnings"]
     assert len(warnings) == 1 and "fcdp.host_budget" in warnings[0] and "do not fit" in warnings[0]
-    assert all(not r["small_budget"].extra["log"] for r in modes[1:])  # one warning, from rank 0
+    assert all(not r["small_budget"].extra["warnings"] for r in modes[1:])  # one warning, from rank 0
 
 
 # -- allocation faults -----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
   slots every rank agrees on, the move to the accelerator in ``auto`` mode;
 - ``fetch.py`` (:class:`FetchPath`: verify rate, per-entry hit counts): the gather wrappers, hit/miss
   counting, verification, zero-size parameters ([Note: threads]);
+- ``gather.py`` (:class:`HierarchicalGather`: peer/node groups, slot permutation): the two-stage
+  all-gather of misses, ``fcdp.param_gather`` ([Note: the two-stage gather]);
 - ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
@@ -31,6 +33,7 @@ from fcdp_deepspeed.monitor import latest_monitor
 from fcdp_deepspeed.runtime.allocation import Allocation, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
+from fcdp_deepspeed.runtime.gather import build_gather
 from fcdp_deepspeed.runtime.invalidation import Invalidation
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.stats import CacheCounters, CommCounters
@@ -60,6 +63,7 @@ class FCDPRuntime:
         self.attachment: Optional[Attachment] = None
         self.allocation: Optional[Allocation] = None
         self.fetch: Optional[FetchPath] = None
+        self.param_gather = "flat"
         self.invalidation: Optional[Invalidation] = None
         self.report: Optional[Report] = None
 
@@ -79,7 +83,9 @@ class FCDPRuntime:
         self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
         self.allocation.plan_and_allocate()
         warn_if_nothing_cached(self.attachment, self.allocation)
-        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate)
+        gather = build_gather(self.config, self.attachment.topology)  # collective (peer groups)
+        self.param_gather = "flat" if gather is None else "hierarchical"
+        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather)
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
@@ -103,4 +109,4 @@ class FCDPRuntime:
         self.report.on_step_end()
 
     def stats(self) -> dict:
-        return self.report.stats()
+        return {**self.report.stats(), "param_gather": self.param_gather}

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles, ZeroParamStatus
+from deepspeed.utils import logger
 
 from fcdp_deepspeed import device
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
+from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
 
 
@@ -87,11 +89,15 @@ def _materialize_empty(params: list) -> None:
         p.ds_status = ZeroParamStatus.AVAILABLE
 
 
-class _VerifyingHandle:
-    """Wraps a gather handle: completes zero-size parameters, and compares cache-served parameters
-    with a plain gather (verify mode)."""
+#: One verification: (parameter name, parameter, flat-gather reference, what served the parameter).
+Check = tuple[str, torch.nn.Parameter, torch.Tensor, str]
 
-    def __init__(self, handle: Any, checks: list[tuple[CacheEntry, torch.Tensor]], empty: list) -> None:
+
+class _VerifyingHandle:
+    """Wraps a gather handle: completes zero-size parameters, and compares cache-served and
+    hierarchically gathered parameters with DeepSpeed's flat gather (verify mode)."""
+
+    def __init__(self, handle: Any, checks: list[Check], empty: list) -> None:
         self.handle = handle
         self.checks = checks
         self.empty = empty
@@ -104,15 +110,18 @@ class _VerifyingHandle:
             return
         self.done = True
         _materialize_empty(self.empty)
-        for entry, reference in self.checks:
-            served = entry.param.data.reshape(-1)
-            expected = reference.narrow(0, 0, entry.param.ds_numel).to(served.dtype)
+        for name, param, reference, source in self.checks:
+            served = param.data.reshape(-1)
+            expected = reference.narrow(0, 0, param.ds_numel).to(served.dtype)
             if not torch.equal(served, expected):
                 diff = (served.float() - expected.float()).abs().max().item()
+                why = ("A path changed the parameter without invalidating the cache" if source == "cached" else
+                       "The hierarchical gather put partitions in the wrong place (fcdp.param_gather = \"flat\" "
+                       "avoids it)")
                 raise StaleCacheError(
-                    f"fcdp verify: the cached value of parameter {entry.name!r} differs from its plain ZeRO-3 "
-                    f"gather (max abs diff {diff:g}). A path changed the parameter without invalidating the cache; "
-                    f"please report it with the training loop that triggered it.")
+                    f"fcdp verify: the {source} value of parameter {name!r} differs from its plain ZeRO-3 "
+                    f"gather (max abs diff {diff:g}). {why}; please report it with the training loop that "
+                    f"triggered it.")
 
 
 @dataclass(eq=False)
@@ -123,8 +132,12 @@ class FetchPath:
     cache: NodeCache
     counters: CacheCounters
     comm: CommCounters
-    #: Fraction of cache hits re-gathered the plain way and compared (0 = off).
+    #: Fraction of cache hits (and of hierarchically gathered misses) re-gathered the plain way and compared (0 = off).
     verify_rate: float
+    #: The two-stage gather of misses (``fcdp.param_gather``); ``None``: DeepSpeed's flat ring.
+    gather: Optional[HierarchicalGather] = None
+    #: Parameters gathered in two stages so far (drives verify sampling of misses; identical on every rank).
+    miss_gathers: int = 0
 
     def wrap(self, param: torch.nn.Parameter) -> None:
         """Replace ``param``'s two gather entry points (once; the originals stay reachable)."""
@@ -139,8 +152,9 @@ class FetchPath:
             hits, checks = fetch.count_and_verify(params)
             handle = None
             if params:
-                with LEDGER.attribute(fetch.comm), fetch.cache.staged(hits):
-                    handle = original_coalesced(params, safe_mode=safe_mode, quantize=quantize)
+                with LEDGER.attribute(fetch.comm):
+                    handle, miss_checks = fetch.issue(params, hits, original_coalesced, safe_mode, quantize)
+                checks += miss_checks
             if checks or empty:
                 return _VerifyingHandle(handle, checks, empty)
             return handle
@@ -158,8 +172,41 @@ class FetchPath:
         param.all_gather_coalesced = all_gather_coalesced
         param.all_gather = all_gather
 
+    def issue(self, params: list, hits: list[CacheEntry], original: Callable, safe_mode: bool,
+              quantize: bool) -> tuple[Any, list[Check]]:
+        """Issue one coalesced gather: hits through DeepSpeed's node-group (hpZ) path, misses through
+        the two-stage gather where it applies, else DeepSpeed's flat ring (the reason is counted)."""
+        misses = [p for p in params if p.ds_secondary_tensor is None]
+        reason = self.gather.unsupported(misses, quantize) if self.gather is not None and misses else "flat"
+        if reason:
+            if reason != "flat":
+                self._fall_back(reason, len(misses))
+            with self.cache.staged(hits):
+                return original(params, safe_mode=safe_mode, quantize=quantize), []
+        handles = []
+        served = [p for p in params if p.ds_secondary_tensor is not None]
+        if served:  # the coordinator passes hits and misses separately; other callers may mix them
+            with self.cache.staged(hits):
+                handles.append(original(served, safe_mode=safe_mode, quantize=quantize))
+        handles.append(self.gather.issue(misses, safe_mode=safe_mode))
+        checks = []
+        rate = self.verify_rate
+        for p in sorted(misses, key=lambda q: q.ds_id):
+            self.miss_gathers += 1
+            if rate > 0 and math.floor(self.miss_gathers * rate) != math.floor((self.miss_gathers - 1) * rate):
+                entry = self.cache.entry(p)
+                checks.append((entry.name if entry else f"ds_id={p.ds_id}", p, flat_reference(p), "two-stage gathered"))
+        self.counters.bump(hierarchical_gathers=len(misses), verified_gathers=len(checks))
+        return (handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)), checks
+
+    def _fall_back(self, reason: str, count: int) -> None:
+        if self.counters.gather_fell_back(reason, count) and dist.get_rank() == 0:
+            logger.warning(f"fcdp: param_gather hierarchical: {count} parameter(s) take DeepSpeed's flat all-gather "
+                           f"({reason}); later ones for the same reason are counted in get_stats "
+                           f"(param_gather_fallbacks).")
+
     def count_and_verify(
-            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[tuple[CacheEntry, torch.Tensor]]]:
+            self, params: list[torch.nn.Parameter]) -> tuple[list[CacheEntry], list[Check]]:
         """Count hits/misses of one gather; return the hit entries and the verification references.
 
         Verification samples by each entry's own hit count, which is identical on every rank, so the
@@ -180,19 +227,24 @@ class FetchPath:
             else:
                 misses += 1
         self.counters.bump(hits=len(hit_entries), misses=misses, uncached_fetches=uncached)
-        return hit_entries, [(e, self._reference_gather(e)) for e in to_check]
+        return hit_entries, [(e.name, e.param, self._reference_gather(e), "cached") for e in to_check]
 
     def _reference_gather(self, entry: CacheEntry) -> torch.Tensor:
-        """Plain ZeRO-3 gather of the primary partitions (collective over the DP group)."""
-        param = entry.param
+        """Plain ZeRO-3 gather of a cached parameter, after checking its slot's checksum."""
         device.host_wait(entry.ready)  # verify is a debug mode: the host reads the slot after its fill
         if entry.checksum is not None and float(entry.slot.double().sum()) != entry.checksum:
             raise StaleCacheError(f"fcdp verify: the cached slice of parameter {entry.name!r} changed since it was "
                                   f"filled (memory corruption or a racing write into the cache).")
-        shard = device.to_accel(param.ds_tensor)
-        world = dist.get_world_size(group=param.ds_process_group)
-        out = device.accel_empty(shard.numel() * world, shard.dtype)
         with LEDGER.attribute(self.comm):
-            dist.all_gather_into_tensor(out, shard, group=param.ds_process_group)
+            out = flat_reference(entry.param)
         self.counters.bump(verified_hits=1)
         return out
+
+
+def flat_reference(param: torch.nn.Parameter) -> torch.Tensor:
+    """Plain ZeRO-3 gather of the primary partitions (collective over the parameter's DP group)."""
+    shard = device.to_accel(param.ds_tensor)  # host-resident under offload_param
+    world = dist.get_world_size(group=param.ds_process_group)
+    out = device.accel_empty(shard.numel() * world, shard.dtype)
+    dist.all_gather_into_tensor(out, shard, group=param.ds_process_group)
+    return out

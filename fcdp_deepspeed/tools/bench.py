@@ -57,6 +57,8 @@ class BenchSpec:
     steps: int = 5
     repeats: int = 3
     regime: str = "large"
+    param_gather: str = "auto"
+    """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
     timeout_s: float = 900
 
 
@@ -94,7 +96,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     records = []
     for engine_name in s.engines:
         block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host",
-                  **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
+                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -140,6 +142,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "trainable_params": sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad),
             "no_backward_params": no_backward,
             "world": dist.get_world_size(), "nodes": s.nodes, "grad_accum": s.grad_accum,
+            "param_gather": stats1.get("param_gather", "flat"),  # plain engines: DeepSpeed's ring
         })
         del engine
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
@@ -394,6 +397,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per engine, interleaved")
     ap.add_argument("--regime", choices=["large", "default"], default="large")
+    ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
+                    help="fcdp.param_gather of the FCDP engines")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -403,7 +408,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
                      warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
-                     regime=args.regime)
+                     regime=args.regime, param_gather=args.param_gather)
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         rows = run_bench(spec, Path(args.out), progress=not args.no_progress)

@@ -17,7 +17,10 @@ all-reduce (each ring crosses every node boundary once), DeepSpeed's large-model
 (frozen slices already cached), flat gradients reduce-scattered every micro-step. ``--backend gloo``
 models gloo's reduce-scatter, which costs a full all-reduce. The hierarchical plan's inter-node stage
 moves (N-1)/N of the gradient per node on either backend: on NCCL it is a ring reduce-scatter among
-the N node peers, on gloo an all-to-all of the peer chunks plus a local sum.
+the N node peers, on gloo an all-to-all of the peer chunks plus a local sum. ``--param-gather``
+(``fcdp.param_gather``, default ``auto``) says how the FCDP engines gather what the cache does not
+serve: ``hierarchical`` (all-gather among node peers, then inside the node: (N-1)/N of the parameter
+per node uplink) or DeepSpeed's ``flat`` ring ((W-1)/W); ``auto`` is hierarchical with N > 1 and L > 1.
 """
 from __future__ import annotations
 
@@ -60,6 +63,13 @@ class ClusterSpec:
     backend: str = "nccl"
     compute_s: float = 0.0
     """Optional compute time per micro-step, for the step-time bound."""
+    param_gather: str = "auto"
+    """``fcdp.param_gather`` of the FCDP engines: ``flat``, ``hierarchical`` or ``auto``."""
+
+    @property
+    def hierarchical_gather(self) -> bool:
+        """Whether the FCDP engines gather misses in two stages (``auto``: several nodes of several ranks)."""
+        return self.param_gather != "flat" and self.nodes > 1 and self.ranks_per_node > 1
 
     @property
     def world(self) -> int:
@@ -70,6 +80,15 @@ def _ring_allgather(spec: ClusterSpec, nbytes: float) -> float:
     """Total bytes over all inter-node links for one ring all-gather of a tensor of ``nbytes``."""
     w, crossings = spec.world, spec.nodes if spec.nodes > 1 else 0
     return crossings * (w - 1) / w * nbytes
+
+
+def _miss_allgather(spec: ClusterSpec, nbytes: float) -> float:
+    """Total inter-node bytes (all uplinks) for an FCDP gather of what the cache does not serve: the
+    two-stage gather crosses nodes only in its node-peer stage, (N-1)/N of the tensor into each
+    node; otherwise DeepSpeed's flat ring."""
+    if spec.hierarchical_gather:
+        return (spec.nodes - 1) * nbytes
+    return _ring_allgather(spec, nbytes)
 
 
 def _reduce_scatter(spec: ClusterSpec, nbytes: float) -> float:
@@ -97,11 +116,12 @@ def inter_node_bytes_per_step(spec: ClusterSpec, engine: str, cached_fraction: f
         ag = fwd + bwd
     elif engine in ("hpz", "fcdp"):
         # trainable: only the first forward after each step crosses nodes; frozen: never (cached).
-        ag = _ring_allgather(spec, t)
-        if engine == "fcdp" and cached_fraction < 1.0:  # parameters over the host budget: plain ZeRO-3
+        gather = _miss_allgather if engine == "fcdp" else _ring_allgather
+        ag = gather(spec, t)
+        if engine == "fcdp" and cached_fraction < 1.0:  # parameters over the host budget: every fetch gathers
             un = 1.0 - cached_fraction
-            ag = ag * cached_fraction + un * ga * (_ring_allgather(spec, m) + (
-                _ring_allgather(spec, t + backward_frozen) if spec.regime == "large" else 0.0))
+            ag = ag * cached_fraction + un * ga * (gather(spec, m) + (
+                gather(spec, t + backward_frozen) if spec.regime == "large" else 0.0))
     else:
         raise ValueError(f"unknown engine {engine!r}")
     return {"allgather": ag, "reduce_scatter": rs, "total": ag + rs}
@@ -180,7 +200,9 @@ def format_plan(result: dict) -> str:
     s = result["spec"]
     lines = [f"{s['params'] / 1e9:.2f}B params ({s['dtype_bytes']} B each), {s['nodes']} nodes x {s['ranks_per_node']} "
              f"ranks, trainable {s['trainable_fraction']:.2%}, GA {s['grad_accum']}, inter-node {s['inter_gbps']:g} "
-             f"Gbit/s per node, {s['backend']} collectives, {s['regime']} release regime", "",
+             f"Gbit/s per node, {s['backend']} collectives, {s['regime']} release regime, FCDP miss gather "
+             f"{'hierarchical' if s['param_gather'] != 'flat' and s['nodes'] > 1 and s['ranks_per_node'] > 1 else 'flat'}",
+             "",
              f"{'engine':<9} {'inter-node/step':>16} {'vs ZeRO-3':>10} {'all-gather vs ZeRO-3':>21} {'step >= (s)':>12} "
              f"{'host cache/node':>16} {'grad buffer/node':>17} {'extra device/rank':>18}"]
     base = result["engines"]["zero3"]["inter_node_bytes_per_step"] or 1.0
@@ -218,6 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--regime", choices=["large", "default"], default="large")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
     ap.add_argument("--compute-s", type=float, default=0.0)
+    ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
+                    help="fcdp.param_gather of the FCDP engines (how cache misses are gathered)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
     ga, dtype_bytes = args.grad_accum, args.dtype_bytes
@@ -234,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        inter_gbps=args.inter_gbps, intra_gbps=args.intra_gbps, pcie_gbps=args.pcie_gbps,
                        host_ram_gb=args.host_ram_gb, device_mem_gb=args.device_mem_gb, device_used_gb=args.device_used_gb,
                        no_backward_fraction=args.no_backward_fraction, regime=args.regime, backend=args.backend,
-                       compute_s=args.compute_s)
+                       compute_s=args.compute_s, param_gather=args.param_gather)
     result = plan(spec)
     print(json.dumps(result, indent=1) if args.json else format_plan(result))
     return 0

@@ -52,11 +52,18 @@ class LogCapture:
         import logging
         from deepspeed.utils import logger
         self.messages: list[str] = []
+        self.levels: list[int] = []
         handler = logging.Handler()
-        handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[assignment]
+
+        def emit(record) -> None:
+            self.messages.append(record.getMessage())
+            self.levels.append(record.levelno)
+
+        handler.emit = emit  # type: ignore[assignment]
         handler.setLevel(logging.INFO)
         logger.addHandler(handler)
         logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
 
-    def fcdp(self, needle: str = "") -> list[str]:
-        return [m for m in self.messages if m.startswith("fcdp:") and needle in m]
+    def fcdp(self, needle: str = "", min_level: int = 0) -> list[str]:
+        return [m for m, level in zip(self.messages, self.levels)
+                if m.startswith("fcdp:") and needle in m and level >= min_level]

@@ -1,6 +1,8 @@
 """Workers of test_placement.py: cache_device modes, budgets, allocation failures."""
 from __future__ import annotations
 
+import logging
+
 from workers.common import LogCapture, run_scenario, setup
 
 
@@ -21,6 +23,8 @@ def placement_modes(steps: int = 5, host_budget_bytes: int = 0) -> dict:
         sc = {"steps": steps, "fcdp": extra or {}}
         res = run_scenario(sc, fcdp=extra is not None)
         res.extra["log"] = [m for m in capture.messages[before:] if m.startswith("fcdp:")]
+        res.extra["warnings"] = [m for m, level in zip(capture.messages[before:], capture.levels[before:])
+                                 if m.startswith("fcdp:") and level >= logging.WARNING]
         out[name] = res
     return out
 

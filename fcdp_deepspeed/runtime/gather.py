@@ -1,0 +1,141 @@
+"""Hierarchical all-gather of the parameters the node cache does not serve (``fcdp.param_gather``).
+
+[Note: the two-stage gather]
+DeepSpeed gathers a miss with one ring over all W = N*L data-parallel ranks: (W-1)/W of the
+parameter crosses every node uplink. Here the same primary partitions (``ds_tensor``, p elements per
+DP rank) travel in two stages (MiCS's hierarchical all-gather):
+
+1. all-gather among the rank's node peers (one rank per node, same node position): each node
+   receives (N-1)/N of the parameter over its uplink, the lower bound;
+2. all-gather of the N-partition bundles inside the node: every rank holds all W partitions.
+
+Both stages write in place into one flat buffer of W*P elements (P: the partitions of the coalesced
+parameters, concatenated), laid out in *slot* order: slot ``l*N + n`` holds the partition of the
+n-th rank of the peer group at node position l (``grads.ReduceLayout.order``, the layout the
+gradient path already uses). The slot views, listed by DP rank, go to DeepSpeed's own
+``AllGatherCoalescedHandle``: its ``wait`` concatenates the partitions in DP-rank order (partition r
+= elements [r*p, (r+1)*p)) into ``param.data`` and moves INFLIGHT -> AVAILABLE exactly as after its
+flat gather, so the release hook fills the cache slot as before. No buffer beyond DeepSpeed's own
+flat one: the stage inputs are views of the output (in-place all-gathers, as DeepSpeed's flat path).
+
+[Note: streams] The coordinator issues gathers on its all-gather stream. Stage 2 must see stage 1's
+output: ``work.wait()`` between the stages makes the current (all-gather) stream wait for stage 1
+(NCCL: no host block; gloo: the host waits). The handle's ``wait`` then orders stage 2 before the
+compute stream reads ``param.data`` and records the slot views on it, as DeepSpeed does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
+from deepspeed.runtime.zero.partition_parameters import (AllGatherCoalescedHandle, MultipleAllGatherHandles,
+                                                         ZeroParamStatus)
+from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
+from deepspeed.utils import logger
+
+from fcdp_deepspeed import device
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.grads import ReduceLayout, build_layout
+from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
+
+
+def _to_accel(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A primary partition on the accelerator (host-resident under ``offload_param``: an async copy on the
+    issuing stream, the all-gather stream, so the stage-1 collective queued after it reads the data)."""
+    return device.to_accel(t).to(dtype)
+
+
+def slot_of_rank(layout: ReduceLayout) -> tuple[int, ...]:
+    """``slots[r]``: the slot of the flat buffer that receives DP rank r's partition."""
+    slots = [0] * layout.dp_size
+    for slot, rank in enumerate(layout.order):
+        slots[rank] = slot
+    return tuple(slots)
+
+
+@dataclass(eq=False)
+class HierarchicalGather:
+    """Gathers one engine's misses in two stages; built once per engine by :func:`build_gather`."""
+
+    layout: ReduceLayout
+    dp_ranks: tuple[int, ...]
+    node_group: Any
+    peer_group: Any
+    #: Every DP rank's slot in the flat buffer (:func:`slot_of_rank`): the permutation back to DeepSpeed's layout.
+    slots: tuple[int, ...]
+    _same_group: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def own_slot(self) -> int:
+        """Where this rank's partition goes: its node position's bundle, at its index among the peers."""
+        me = dist.get_rank()
+        return self.layout.node_ranks.index(me) * self.layout.nodes + self.layout.peer_ranks.index(me)
+
+    def _over_dp_group(self, group: Any) -> bool:
+        if id(group) not in self._same_group:
+            self._same_group[id(group)] = group_ranks(group) == self.dp_ranks
+        return self._same_group[id(group)]
+
+    def unsupported(self, params: Sequence[torch.nn.Parameter], quantize: bool) -> str:
+        """Why these parameters must take DeepSpeed's flat path ("" when they need not)."""
+        for p in params:
+            if quantize or hasattr(p.ds_tensor, "ds_quant_scale"):
+                return "quantized weights"
+            if p.ds_secondary_tensor is not None:
+                return "cache hit"  # not a miss: DeepSpeed's node-group path serves it
+            if not self._over_dp_group(p.ds_process_group):
+                return "partitioned over another process group"
+            if has_comm_dtype(p) and get_comm_dtype(p) != p.ds_tensor.dtype:
+                return "autocast communication dtype"
+            if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
+                return "not partitioned"  # DeepSpeed raises its own error for this
+        return ""
+
+    def issue(self, params: Sequence[torch.nn.Parameter], safe_mode: bool = False) -> MultipleAllGatherHandles:
+        """Start the two-stage gather of ``params`` (all NOT_AVAILABLE misses of the engine's DP group)."""
+        params = sorted(params, key=lambda p: p.ds_id)  # same order on every rank, as DeepSpeed
+        if safe_mode:
+            assert_ints_same_as_other_ranks([p.ds_id for p in params])
+            assert_ints_same_as_other_ranks([p.ds_tensor.ds_numel for p in params])
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in params:
+            by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
+        handles = [self._issue_one(by_dtype[d]) for d in sorted(by_dtype, key=str)]
+        return MultipleAllGatherHandles(handles)
+
+    def _issue_one(self, params: list) -> AllGatherCoalescedHandle:
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        layout, dtype = self.layout, params[0].ds_tensor.dtype
+        part = sum(p.ds_tensor.ds_numel for p in params)
+        nodes = layout.nodes
+        flat = device.accel_empty(part * layout.dp_size, dtype)
+        own = self.own_slot
+        mine = flat.narrow(0, own * part, part)
+        torch.cat([_to_accel(p.ds_tensor, dtype) for p in params], out=mine)
+        bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
+        stage1 = dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=True)
+        stage1.wait()  # [Note: streams]
+        stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+        partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(layout.dp_size)]
+        return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
+                                        world_size=layout.dp_size)
+
+
+def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGather]:
+    """Collective over the world (peer groups): the engine's miss gather, ``None`` for the flat ring.
+    Logs the resolved mode once per engine (rank 0)."""
+    mode = config.resolved_param_gather(topo.num_nodes, topo.ranks_per_node)
+    if dist.get_rank() == 0:
+        logger.info(f"fcdp: param_gather = {config.param_gather!r} -> {mode} ({topo.num_nodes} node(s) x "
+                    f"{topo.ranks_per_node} rank(s) per node)")
+    if mode == "flat":
+        return None
+    peer_ranks, peer_group = build_peer_group(topo)
+    layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
+    assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
+    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, peer_group, slot_of_rank(layout))

@@ -1,0 +1,91 @@
+"""Rank workers for the two-stage parameter gather (``fcdp.param_gather``): parity with DeepSpeed's
+flat ring, inter-node bytes per miss, and a deliberately broken permutation."""
+from __future__ import annotations
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+import fcdp_deepspeed
+from fcdp_deepspeed.runtime import gather
+from fcdp_deepspeed.tools import toy
+from workers.common import setup
+from workers.grads import _config, build, train
+
+
+def sabotage(kind: str) -> None:
+    """Deliberately broken variants, to show the tests can fail."""
+    if kind == "no_permutation":  # read partitions in slot order as if it were DeepSpeed's rank order
+        gather.slot_of_rank = lambda layout: tuple(range(layout.dp_size))
+    elif kind:
+        raise ValueError(kind)
+
+
+def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "") -> dict:
+    """Each scenario with ``param_gather`` flat and hierarchical (same other keys): losses, weights, stats."""
+    setup(ranks_per_node)
+    sabotage(break_kind)
+    out = {}
+    for sc in scenarios:
+        runs = {}
+        for mode in ("flat", "hierarchical"):
+            block = {"enabled": True, "ranks_per_node": ranks_per_node, **sc.get("fcdp", {}), "param_gather": mode}
+            engine = build(sc, _config(sc, block))
+            res = train(engine, sc)
+            if sc.get("eval"):
+                res.extra["eval"] = toy.evaluate(engine, torch.randn(2, sc.get("hidden", 32),
+                                                                     generator=torch.Generator().manual_seed(7)))
+                res.extra["eval_stats"] = fcdp_deepspeed.get_stats(engine)
+            weights = toy.gather_weights(engine)
+            res.weights = weights if dist.get_rank() == 0 else {}
+            runs[mode] = res
+        out[sc["name"]] = runs
+    return out
+
+
+def miss_bytes(ranks_per_node: int = 2, mode: str = "hierarchical", break_kind: str = "") -> dict:
+    """Gather every parameter once as a cache miss (explicitly, outside the coordinator); per parameter,
+    the inter-node all-gather bytes this rank's node received (sum over its ranks) and the parameter's
+    aligned bytes, and whether the gathered value equals DeepSpeed's flat gather of the partitions."""
+    setup(ranks_per_node)
+    sabotage(break_kind)
+    cfg = toy.ds_config({"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": mode})
+    engine = toy.build_engine(cfg)
+    node_group = engine.optimizer.fcdp.topology.group
+    world = dist.get_world_size()
+    rows = []
+    for name, p in engine.module.named_parameters():
+        assert p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.ds_secondary_tensor is None
+        before = fcdp_deepspeed.get_stats(engine)["inter_node_allgather_bytes"]
+        p.all_gather_coalesced([p]).wait()
+        got = torch.tensor([fcdp_deepspeed.get_stats(engine)["inter_node_allgather_bytes"] - before])
+        dist.all_reduce(got, group=node_group)
+        reference = torch.empty(p.ds_tensor.numel() * world, dtype=p.ds_tensor.dtype)
+        dist.all_gather_into_tensor(reference, p.ds_tensor.data, group=p.ds_process_group)
+        exact = torch.equal(p.data.reshape(-1), reference[:p.ds_numel])
+        rows.append({"name": name, "node_inter_bytes": int(got.item()), "exact": exact,
+                     "aligned_bytes": p.ds_tensor.numel() * world * p.ds_tensor.element_size()})
+        p.partition()
+    return {"rows": rows, "stats": fcdp_deepspeed.get_stats(engine)}
+
+
+def megatron(steps: int = 2, tp: int = 2, ranks_per_node: int = 4) -> dict:
+    """TP=tp on the world (ZeRO's DP group a strict subgroup): plain ZeRO-3 and FCDP with each gather."""
+    import deepspeed
+    from workers.topology import MiniMPU
+    setup(ranks_per_node)
+    mpu = MiniMPU(tp)
+    tp_rank = mpu.get_model_parallel_rank()
+    fcdp_deepspeed.install()
+    out = {}
+    for name in ("plain", "flat", "hierarchical"):
+        block = None if name == "plain" else {"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": name}
+        cfg = toy.ds_config(block, regime="large")
+        torch.manual_seed(100 + tp_rank)  # TP peers hold different values
+        with deepspeed.zero.Init(config_dict_or_path=cfg, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group()):
+            model = toy.ToyModel(32, 4)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+        res = toy.train(engine, steps, seed=tp_rank)
+        out[name] = {"losses": res.losses, "stats": res.stats}
+    return out
