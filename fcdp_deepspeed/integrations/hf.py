@@ -51,7 +51,7 @@ def callback_class() -> type:
     """Build the ``TrainerCallback`` subclass (imports ``transformers``)."""
     from transformers import TrainerCallback
 
-    from fcdp_deepspeed.api import stats_of
+    from fcdp_deepspeed.engine_stats import stats_of
 
     class FCDPStatsCallback(TrainerCallback):
         """Adds ``fcdp/*`` counters to every Trainer log event (see :mod:`fcdp_deepspeed.integrations.hf`)."""
