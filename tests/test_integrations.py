@@ -90,6 +90,7 @@ def test_run_module_under_deepspeed_launcher(tmp):
     assert all(r["optimizer"] == "FCDPStage3" and r["cache_hits"] > 0 for r in res)
 
 
+@pytest.mark.slow
 def test_plain_hf_script_logs_fcdp_counters_under_both_launchers(tmp):
     """A Trainer script that imports neither DeepSpeed nor fcdp_deepspeed (accelerate imports DeepSpeed
     inside ``Trainer(...)``): the startup hook patches the Trainer when transformers is imported, so
