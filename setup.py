@@ -80,7 +80,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[TORCH_PIN, DEEPSPEED_PIN, "pydantic>=2", "hjson", "psutil", "py-cpuinfo"],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
         "bench": ["matplotlib", "rich"],
         "hf": ["transformers", "peft", "accelerate"],
     },

@@ -5,25 +5,54 @@ that is all: its startup hook (``fcdp_deepspeed_autoload``) calls :func:`install
 imports DeepSpeed. Without the hook (``FCDP_AUTOLOAD=0``), call :func:`install` once before building
 the model, use :func:`initialize` instead of ``deepspeed.initialize``, or launch with
 ``python -m fcdp_deepspeed.run``.
+
+[Note: this ``__init__`` is lazy (PEP 562 ``__getattr__``) so that the startup hook can import the
+package's standard-library-only modules at every interpreter start without torch or DeepSpeed.]
 """
 from __future__ import annotations
 
-from fcdp_deepspeed._compat import check_deepspeed_version
-
-check_deepspeed_version()
-
-from fcdp_deepspeed.api import enable_comm_counting, get_stats, initialize, install, is_installed, uninstall  # noqa: E402
-from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError, parse_fcdp_config  # noqa: E402
-from fcdp_deepspeed.runtime import StaleCacheError  # noqa: E402
-from fcdp_deepspeed.topology import TopologyError  # noqa: E402
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "install", "uninstall", "is_installed", "initialize", "get_stats", "enable_comm_counting", "FCDPConfig",
-    "FCDPConfigError", "TopologyError", "StaleCacheError", "parse_fcdp_config", "__version__"
-]
+#: Public names -> the module that defines them, imported on first access.
+_LAZY = {
+    "get_stats": "fcdp_deepspeed.api", "is_installed": "fcdp_deepspeed.api",
+    "enable_comm_counting": "fcdp_deepspeed.api", "FCDPConfig": "fcdp_deepspeed.config",
+    "FCDPConfigError": "fcdp_deepspeed.config", "parse_fcdp_config": "fcdp_deepspeed.config",
+    "StaleCacheError": "fcdp_deepspeed.runtime", "TopologyError": "fcdp_deepspeed.topology",
+}
 
-import fcdp_deepspeed_autoload as _autoload  # noqa: E402
+__all__ = ["install", "uninstall", "initialize", *_LAZY, "__version__"]
 
-_autoload.package_ready()  # the startup hook saw this import bring in DeepSpeed: install now
+
+def install() -> None:
+    """Make ``deepspeed.initialize`` build FCDP's stage-3 classes for configs with an enabled block
+    (:func:`fcdp_deepspeed.api.install`), and give HF Trainers with one the stats callback. Idempotent."""
+    from fcdp_deepspeed import api, integrations
+    api.install()
+    integrations.install()
+
+
+def uninstall() -> None:
+    """Undo :func:`install` for engines and Trainers created afterwards."""
+    from fcdp_deepspeed import api, integrations
+    api.uninstall()
+    integrations.uninstall()
+
+
+def initialize(*args: object, **kwargs: object) -> object:
+    """Drop-in for ``deepspeed.initialize`` (same arguments and return value) with FCDP installed."""
+    install()
+    import deepspeed
+    return deepspeed.initialize(*args, **kwargs)
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

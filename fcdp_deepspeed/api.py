@@ -1,21 +1,27 @@
-"""Public entry points: install/initialize/get_stats."""
+"""The core's entry points: patch DeepSpeed (install/uninstall), get_stats, comm counting.
+
+The public ``fcdp_deepspeed.install()`` / ``initialize()`` (package ``__init__``) call these and
+also install the integrations, which the core never imports.
+"""
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
-import deepspeed
-import deepspeed.runtime.engine as _engine_module
-import deepspeed.runtime.zero.stage3 as _stage3_module
+from fcdp_deepspeed.version_gate import check_deepspeed_version
 
-import fcdp_deepspeed_autoload as _autoload
-from fcdp_deepspeed.engine_config import FCDPCheckedConfig
-from fcdp_deepspeed.grads import uninstall_dispatch
-from fcdp_deepspeed.integrations import hf as _hf
-from fcdp_deepspeed.monitor import RecordingMonitorMaster
-from fcdp_deepspeed.stage3 import CountedStage3, CountedZeROOffload
-from fcdp_deepspeed.stats import LEDGER
-from fcdp_deepspeed.topology import discover_node_map
+check_deepspeed_version()  # before anything below patches or subclasses DeepSpeed's internals
+
+import deepspeed  # noqa: E402
+import deepspeed.runtime.engine as _engine_module  # noqa: E402
+import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
+
+from fcdp_deepspeed.engine_config import FCDPCheckedConfig  # noqa: E402
+from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
+from fcdp_deepspeed.grads import uninstall_dispatch  # noqa: E402
+from fcdp_deepspeed.monitor import RecordingMonitorMaster  # noqa: E402
+from fcdp_deepspeed.stage3 import CountedStage3, CountedZeROOffload  # noqa: E402
+from fcdp_deepspeed.stats import LEDGER  # noqa: E402
+from fcdp_deepspeed.topology import discover_node_map  # noqa: E402
 
 _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
 _ORIGINAL_OFFLOAD = _engine_module.DeepSpeedZeRoOffload
@@ -32,14 +38,13 @@ def install() -> None:
     looks both classes up in these modules when it builds a ZeRO-3 engine: the optimizer class
     (training) and the offload class (engines without an optimizer).
     ``deepspeed.initialize`` parses its config with :class:`~fcdp_deepspeed.engine_config.FCDPCheckedConfig`,
-    which refuses an enabled block under ZeRO stage 0-2. HF Trainers with an enabled block get
-    :mod:`fcdp_deepspeed.integrations.hf`'s stats callback.
+    which refuses an enabled block under ZeRO stage 0-2. This is the core half of the public
+    ``fcdp_deepspeed.install()``, which also installs the integrations (HF Trainer stats callback).
     """
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = CountedStage3
     _engine_module.DeepSpeedZeRoOffload = CountedZeROOffload
     _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
-    _autoload.when_imported("transformers.trainer", _hf.patch_trainer)
 
 
 def uninstall() -> None:
@@ -48,20 +53,11 @@ def uninstall() -> None:
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
     deepspeed.DeepSpeedConfig = _ORIGINAL_CONFIG
-    _autoload.forget("transformers.trainer", _hf.patch_trainer)
-    _hf.unpatch_trainer()
     uninstall_dispatch()
 
 
 def is_installed() -> bool:
     return _stage3_module.DeepSpeedZeroOptimizer_Stage3 is CountedStage3
-
-
-@functools.wraps(deepspeed.initialize)
-def initialize(*args: Any, **kwargs: Any):
-    """Drop-in for ``deepspeed.initialize`` (same signature and return value) with FCDP installed."""
-    install()
-    return deepspeed.initialize(*args, **kwargs)
 
 
 def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
@@ -73,37 +69,6 @@ def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
     """
     node_of_rank, source, _ = discover_node_map(ranks_per_node)
     LEDGER.install(node_of_rank, source)
-
-
-def _process_totals() -> dict:
-    totals = {**LEDGER.totals.allgather_summary(), **LEDGER.totals.snapshot()}
-    return {f"process_{k}": v for k, v in totals.items()}
-
-
-def stats_of(optimizer: Any) -> dict:
-    """:func:`get_stats` given the engine's ``optimizer`` (the ZeRO-3 optimizer or offload object)."""
-    runtime = getattr(optimizer, "fcdp", None)
-    if runtime is not None:
-        out = runtime.stats()
-    else:
-        # Engines built by FCDP's classes count their own collectives (fcdp_comm); others, built before
-        # install(), only have the process's counts since counting began.
-        comm = getattr(optimizer, "fcdp_comm", None)
-        since = comm.copy() if comm is not None else LEDGER.totals.copy()
-        out = {
-            **since.allgather_summary(),
-            "cache_hits": 0, "cache_misses": 0, "host_cache_bytes": 0, "device_cache_bytes": 0,
-            "fcdp_enabled": False,
-            **since.snapshot(),
-        }
-    reducer = getattr(optimizer, "fcdp_grads", None)
-    if reducer is not None:
-        out.update(reducer.stats())
-    out.setdefault("fcdp_enabled", True)
-    out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
-    out["node_layout_source"] = LEDGER.layout_source
-    out.update(_process_totals())
-    return out
 
 
 def get_stats(engine: Any) -> dict:

@@ -32,6 +32,26 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[kmgt]i?b|b)?\s*$", re.IGNORECASE)
 
 
+def _to_float(key: str, number: Any) -> float:
+    """``number`` as a finite float; a budget too large for one (a 400-digit count) is refused."""
+    # [Note: float() of a huge int raises OverflowError and of a huge digit string gives inf; both
+    # used to escape as OverflowError from int() instead of an error naming the key.]
+    try:
+        value = float(number)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        shown = str(number) if len(str(number)) <= 40 else f"{str(number)[:40]}..."
+        raise FCDPConfigError(f"fcdp.{key}: budget {shown} is not a finite number of bytes. "
+                              f"Fix: give a byte count such as 8589934592, a size like \"8GiB\" or a percentage.")
+    return value
+
+
+def _byte_count(key: str, number: Any, unit: int) -> float:
+    """Whole bytes of ``number`` x ``unit``, refused (naming ``key``) when not finite."""
+    return float(int(_to_float(key, _to_float(key, number) * unit)))
+
+
 @dataclass(frozen=True)
 class Budget:
     """A memory budget: absolute bytes, a fraction of what is available, or ``auto``."""
@@ -56,18 +76,18 @@ class Budget:
             if value < 0:
                 raise FCDPConfigError(f"fcdp.{key}: budget must be >= 0 bytes, got {value}. "
                                       f"Fix: give a non-negative byte count or a percentage like \"20%\".")
-            return cls("bytes", float(int(value)))
+            return cls("bytes", _byte_count(key, value, 1))
         if isinstance(value, str):
             if value.strip().lower() == "auto":
                 return cls("auto")
             m = _BUDGET_RE.match(value)
             if m:
-                number, unit = float(m.group(1)), (m.group(2) or "").lower()
+                number, unit = _to_float(key, m.group(1)), (m.group(2) or "").lower()
                 if unit == "%":
                     if number > 100:
                         raise FCDPConfigError(f"fcdp.{key}: percentage must be in 0..100, got {value!r}.")
                     return cls("fraction", number / 100.0)
-                return cls("bytes", float(int(number * _UNITS[unit])))
+                return cls("bytes", _byte_count(key, number, _UNITS[unit]))
         raise FCDPConfigError(f"fcdp.{key}: cannot parse budget {value!r}. Fix: use bytes (e.g. 8589934592), "
                               f"a percentage string (e.g. \"20%\"), a size (e.g. \"8GiB\") or \"auto\".")
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fcdp_deepspeed.tools.megatron_compare import compare_results
+
 # (file, what it fixes, old text, new text). Each edit is applied only where the old text is found
 # verbatim, so re-running is a no-op and an upstream fix of one problem leaves the others working.
 FIXES = [
@@ -159,132 +161,14 @@ def cmd_configs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_run(run_dir: Path) -> list[dict] | None:
-    files = sorted(run_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    if not files:
-        return None
-    return [json.loads(p.read_text()) for p in files]
-
-
-def _per_step_bytes(ranks: list[dict], key: str = "inter_node_allgather_bytes") -> list[float]:
-    """``key`` (a cumulative get_stats counter) received per step, averaged over ranks; the zero point
-    is the value read after deepspeed.initialize where the probe recorded it (``<key>_at_init``)."""
-    per_rank = []
-    for r in ranks:
-        cumulative = [s.get(key) or 0 for s in r["steps"]]
-        start = r.get(f"{key}_at_init", 0)
-        per_rank.append([b - a for a, b in zip([start, *cumulative], cumulative)])
-    return [sum(col) / len(col) for col in zip(*per_rank)]
-
-
-#: Runs with gradient modes (``fcdp_node-*``) change the summation order: tolerances as in tests/test_grads.py.
-RTOL = 1e-5
-
-
-def _close_problems(r: int, b: dict, f: dict, base_dir: Path, run_dir: Path) -> list[str]:
-    """Losses, grad norms and final weights of a gradient-mode run within RTOL of ZeRO-3's."""
-    import torch
-
-    problems = []
-    for key in ("loss_hex", "grad_norm_hex"):
-        a = [float.fromhex(s[key]) for s in b["steps"]]
-        c = [float.fromhex(s[key]) for s in f["steps"]]
-        if len(a) != len(c) or any(abs(x - y) > RTOL * abs(x) for x, y in zip(a, c)):
-            problems.append(f"rank {r}: {key[:-4]} beyond {RTOL} relative: {a} vs {c}")
-    wb = torch.load(base_dir / f"weights{r}.pt")
-    wf = torch.load(run_dir / f"weights{r}.pt")
-    for name, w in wb.items():
-        a, c = w.double(), wf[name].double()
-        if name.endswith("query_key_value.bias") and a.numel() % 3 == 0:
-            # [Note: the key bias] The fused bias is [q | k | v]. Softmax is invariant to the key bias
-            # (it adds the same q.b_k to every score of a query), so its exact gradient is 0 and the
-            # computed one is rounding noise (~1e-10); Adam with eps 1e-8 turns that noise into updates of
-            # about lr * noise / eps, so any other summation order, ZeRO-3's included, moves it
-            # differently (measured: ~1e-4 of a 0.25-norm tensor after 10 steps). The exact result leaves
-            # it at its initial value; neither run is closer to that. Only q and v are compared.
-            a, c = torch.cat([a.view(3, -1)[0], a.view(3, -1)[2]]), torch.cat([c.view(3, -1)[0], c.view(3, -1)[2]])
-        diff = (c - a).norm().item()
-        if diff > RTOL * max(a.norm().item(), 1e-12):
-            problems.append(f"rank {r}: weight {name} off by {diff:.3g} (norm {a.norm().item():.3g})")
-    return problems
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Every FCDP run against the ZeRO-3 run of the same TP: losses, grad norms, weights, bytes."""
+    """Every FCDP run against the ZeRO-3 run of the same TP (fcdp_deepspeed.tools.megatron_compare)."""
     results = Path(args.results_dir)
-    ok = True
-    summary = []
-    for tp_dir in sorted(p for p in results.iterdir() if p.is_dir()):
-        base = _load_run(tp_dir / "zero3")
-        if base is None:
-            print(f"{tp_dir.name}: no ZeRO-3 results")
-            ok = False
-            continue
-        for run_dir in sorted(p for p in tp_dir.iterdir() if p.is_dir() and p.name != "zero3"):
-            run = _load_run(run_dir)
-            label = f"{tp_dir.name} {run_dir.name}"
-            if run is None or len(run) != len(base):
-                print(f"{label}: incomplete results ({0 if run is None else len(run)} of {len(base)} ranks)")
-                ok = False
-                continue
-            problems = []
-            tolerant = run_dir.name.startswith("fcdp_node")
-            for r, (b, f) in enumerate(zip(base, run)):
-                if not f["fcdp_enabled"]:
-                    problems.append(f"rank {r}: FCDP not enabled in this run")
-                if b["fcdp_enabled"]:
-                    problems.append(f"rank {r}: baseline ran with FCDP enabled")
-                if tolerant:
-                    problems += _close_problems(r, b, f, tp_dir / "zero3", run_dir)
-                    continue
-                if [s["loss_hex"] for s in b["steps"]] != [s["loss_hex"] for s in f["steps"]]:
-                    problems.append(f"rank {r}: losses differ")
-                if [s["grad_norm_hex"] for s in b["steps"]] != [s["grad_norm_hex"] for s in f["steps"]]:
-                    problems.append(f"rank {r}: grad norms differ")
-                if b["weights_sha256"] != f["weights_sha256"]:
-                    bad = [k for k in b["param_sha256"] if b["param_sha256"][k] != f["param_sha256"].get(k)]
-                    problems.append(f"rank {r}: final weights differ ({len(bad)} tensors, e.g. {bad[:3]})")
-            steps = len(base[0]["steps"])
-            # Bytes per step per rank, averaged over ranks, from the cumulative counter read after
-            # deepspeed.initialize and after each step. The ratio is over steps 2..N (steady state;
-            # step 1 is shown too).
-            zsteps, fsteps = _per_step_bytes(base), _per_step_bytes(run)
-            zb = sum(zsteps[1:]) / max(1, steps - 1)
-            fb = sum(fsteps[1:]) / max(1, steps - 1)
-            ratio = fb / zb if zb else float("nan")
-            hits = sum(r["stats"].get("cache_hits", 0) for r in run)
-            misses = sum(r["stats"].get("cache_misses", 0) for r in run)
-            losses = [float.fromhex(s["loss_hex"]) for s in base[0]["steps"]]
-            same = (f"within {RTOL} relative (gradient modes)" if tolerant else "bit-identical") if not problems else "DIFFER"
-            zg, fg = (_per_step_bytes(x, "inter_node_grad_reduce_bytes") for x in (base, run))
-            zgb, fgb = sum(zg[1:]) / max(1, steps - 1), sum(fg[1:]) / max(1, steps - 1)
-            print(f"{label}: {steps} steps, lm loss {losses[0]:.6f} -> {losses[-1]:.6f}; "
-                  f"losses/grad norms/weights {same} on all {len(run)} ranks")
-            print(f"    inter-node gradient-reduction bytes per step per rank (steps 2-{steps}): ZeRO-3 {zgb:,.0f}, "
-                  f"FCDP {fgb:,.0f} ({fgb / zgb if zgb else float('nan'):.2f}x)")
-            print(f"    inter-node all-gather bytes per step per rank (steps 2-{steps}): ZeRO-3 {zb:,.0f}, "
-                  f"FCDP {fb:,.0f} ({ratio:.2f}x); step 1: ZeRO-3 {zsteps[0]:,.0f}, FCDP {fsteps[0]:,.0f}")
-            print(f"    FCDP cache hits {hits}, misses {misses} (all ranks); training loop "
-                  f"ZeRO-3 {base[0]['train_seconds']:.0f}s, FCDP {run[0]['train_seconds']:.0f}s")
-            for p in problems:
-                print(f"    MISMATCH {p}")
-            ok = ok and not problems
-            if fb >= zb:
-                if args.expect_saving:
-                    ok = False
-                    print("    MISMATCH FCDP did not reduce inter-node all-gather bytes")
-                else:
-                    print("    (no saving: ZeRO-3 keeps this model gathered from forward to backward)")
-            summary.append({"tp": tp_dir.name, "run": run_dir.name, "steps": steps, "identical": not problems,
-                            "losses": losses, "zero3_inter_node_allgather_bytes_per_step": zb,
-                            "fcdp_inter_node_allgather_bytes_per_step": fb, "ratio": ratio,
-                            "zero3_bytes_by_step": zsteps, "fcdp_bytes_by_step": fsteps,
-                            "fcdp_cache_hits": hits, "fcdp_cache_misses": misses,
-                            "zero3_inter_node_grad_reduce_bytes_per_step": zgb,
-                            "fcdp_inter_node_grad_reduce_bytes_per_step": fgb})
+    ok, summary, lines = compare_results(results, expect_saving=args.expect_saving)
+    print("\n".join(lines))
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"compare: {'PASS' if ok and summary else 'FAIL'} (summary in {results / 'summary.json'})")
-    return 0 if ok and summary else 1
+    print(f"compare: {'PASS' if ok else 'FAIL'} (summary in {results / 'summary.json'})")
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
 UNTESTED_RELEASE = r'''
 import json, sys, types, warnings
 import deepspeed
-import fcdp_deepspeed_autoload as autoload
+from fcdp_deepspeed import autoload
 
 calls = []
 deepspeed.initialize = lambda *args, **kwargs: calls.append(kwargs) or "engine"   # stands for DeepSpeed's
@@ -42,7 +42,7 @@ deepspeed.__version__ = "0.99.0"                                                
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     autoload.on_deepspeed_imported(deepspeed)
-out = {"warnings": [str(w.message) for w in caught], "package_imported": "fcdp_deepspeed" in sys.modules}
+out = {"warnings": [str(w.message) for w in caught], "core_imported": "fcdp_deepspeed.api" in sys.modules}
 with open(sys.argv[1], "w") as f:
     json.dump({"fcdp": {"enabled": True}}, f)
 errors = {}
@@ -58,11 +58,10 @@ out["plain"] = [deepspeed.initialize(model=None, config=c) for c in ({}, {"fcdp"
 out["calls"] = len(calls)
 
 # a tested release whose install() fails: the same warning-and-refusal, never a failed `import deepspeed`
-broken = types.ModuleType("fcdp_deepspeed")
+import fcdp_deepspeed
 def install():
     raise OSError("no space left on device")
-broken.install = install
-sys.modules["fcdp_deepspeed"] = broken
+fcdp_deepspeed.install = install
 deepspeed.initialize = lambda *args, **kwargs: "engine"
 deepspeed.__version__ = "0.19.8"
 with warnings.catch_warnings(record=True) as caught:
@@ -80,7 +79,7 @@ print("RESULT", json.dumps(out))
 
 def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_path):
     """The startup hook on a DeepSpeed release FCDP was not tested with: one warning, nothing installed
-    (the package is not even imported), jobs without an enabled block untouched, and an enabled block
+    (the core is not even imported), jobs without an enabled block untouched, and an enabled block
     refused at deepspeed.initialize (dict, path, args.deepspeed_config, config_params) with the fix.
     Then the same for an install() that raises."""
     import json
@@ -94,7 +93,7 @@ def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert len(out["warnings"]) == 1 and "deepspeed==0.99.0" in out["warnings"][0], out["warnings"]
-    assert "FCDP_AUTOLOAD=0" in out["warnings"][0] and not out["package_imported"]
+    assert "FCDP_AUTOLOAD=0" in out["warnings"][0] and not out["core_imported"]
     assert set(out["errors"]) == {"dict", "path", "args", "config_params"}, out["errors"]
     for error in out["errors"].values():
         assert error.startswith("UnsupportedDeepSpeedVersion: this DeepSpeed config enables \"fcdp\" but FCDP is "
@@ -105,3 +104,27 @@ def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_
     assert len(out["failed_install_warnings"]) == 1
     assert "installing FCDP failed: OSError: no space left on device" in out["failed_install_warnings"][0]
     assert "installing FCDP failed: OSError" in out["failed_install_error"] and out["failed_install_plain"] == "engine"
+
+
+ENTRY_ORDER = r"""
+import sys
+{first}
+api = sys.modules.get("fcdp_deepspeed.api")
+print("INSTALLED", bool(api and api.is_installed()))
+"""
+
+
+@pytest.mark.parametrize("first", ["import deepspeed", "import fcdp_deepspeed.stage3",
+                                   "from fcdp_deepspeed.config import parse_fcdp_config",
+                                   "import fcdp_deepspeed; fcdp_deepspeed.get_stats"])
+def test_startup_hook_installs_whichever_module_imports_deepspeed_first(first):
+    """The package's own modules import DeepSpeed too: the startup hook must then install once the
+    last of them has finished importing (installing inside their import would import half-run modules)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "FCDP_AUTOLOAD"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", ENTRY_ORDER.format(first=first)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INSTALLED True" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -1,11 +1,12 @@
-"""The plugin core never imports the tooling.
+"""The package's layers, checked on its source (AST) and by importing it.
 
-A training process loads only the core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``);
-the tooling in ``fcdp_deepspeed/tools/`` (launcher, emulated cluster, toy models, benchmark,
-planner, demo, CLI) runs beside it. The old paths of the moved tool modules stay as aliases; they
-belong to the tooling side, so the core may not import them either. Two checks: every import in
-the core's source, and importing every core module where ``fcdp_deepspeed.tools`` cannot be
-imported at all (which also catches imports the source check cannot see).
+- the core (``fcdp_deepspeed/*.py``, ``runtime/``) never imports the tooling (``tools/``), the
+  integrations (``integrations/``) or the startup hook (``fcdp_deepspeed_autoload``);
+- the package facade (``fcdp_deepspeed/__init__.py``) is lazy and may reach the integrations (its
+  ``install()`` installs them), never the tooling;
+- nothing in the package imports the startup hook, which imports nothing but the standard library and
+  the package's standard-library-only modules;
+- no import circle among the package's modules (module-level imports).
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fcdp_deepspeed"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = ROOT / "fcdp_deepspeed"
+PACKAGE = "fcdp_deepspeed"
+FACADE = PACKAGE
 TOOLS = "fcdp_deepspeed.tools"
-#: Old paths of the tool modules, kept so old imports and ``python -m`` keep working.
-ALIASES = {f"fcdp_deepspeed.{name}": f"{TOOLS}.{name}"
-           for name in ("bench", "cli", "cluster", "demo", "launch", "planner", "toy", "_worker")}
+INTEGRATIONS = "fcdp_deepspeed.integrations"
+STARTUP = "fcdp_deepspeed_autoload"
+STARTUP_FILE = ROOT / f"{STARTUP}.py"
 
 
 def _module_name(path: Path) -> str:
@@ -27,122 +31,216 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def package_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
 def core_modules() -> dict[str, Path]:
-    """Every module of the package outside ``tools/``, aliases excluded."""
-    modules = {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
-    return {name: path for name, path in modules.items()
-            if name != TOOLS and not name.startswith(TOOLS + ".") and name not in ALIASES}
+    """Every module of the package outside ``tools/`` and ``integrations/``, the facade excluded."""
+    return {name: path for name, path in package_modules().items()
+            if name != FACADE and not _under(name, TOOLS) and not _under(name, INTEGRATIONS)}
 
 
 def _called_name(call: ast.Call) -> str | None:
     return getattr(call.func, "attr", getattr(call.func, "id", None))
 
 
-def imported_names(path: Path, module: str) -> set[str]:
-    """Modules a file may import: ``import a.b``, ``from a import b`` (``a`` and ``a.b``: ``b`` may be a
-    submodule), relative imports resolved, and ``import_module("...")`` with a literal name."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+def _import_names(node: ast.AST, package: str) -> set[str]:
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(anchor + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Call) and _called_name(node) == "import_module" and node.args:
-            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-                names.add(node.args[0].value)
+    if isinstance(node, ast.Import):
+        names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        names.add(base)
+        names.update(f"{base}.{alias.name}" for alias in node.names)
+    elif isinstance(node, ast.Call) and _called_name(node) == "import_module" and node.args:
+        if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            names.add(node.args[0].value)
     return names
 
 
-def _is_tooling(name: str) -> bool:
-    return name == TOOLS or name.startswith(TOOLS + ".") or name in ALIASES
+def _package_of(path: Path, module: str) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
 
 
-def test_the_check_sees_the_whole_core():
+def imported_names(path: Path, module: str) -> set[str]:
+    """Modules a file may import anywhere in it: ``import a.b``, ``from a import b`` (``a`` and ``a.b``:
+    ``b`` may be a submodule), relative imports resolved, and ``import_module("...")`` with a literal."""
+    package = _package_of(path, module)
+    return {n for node in ast.walk(ast.parse(path.read_text(), str(path))) for n in _import_names(node, package)}
+
+
+def module_level_imports(path: Path, module: str) -> set[str]:
+    """Imports run when the module is imported: its body, outside function and class bodies."""
+    package = _package_of(path, module)
+    names: set[str] = set()
+    stack = list(ast.parse(path.read_text(), str(path)).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        names |= _import_names(node, package)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> package modules it imports at module level (a parent package's ``__init__`` is not an
+    edge of its own: importing ``a.b`` runs ``a``'s, which is checked as a module of its own)."""
+    modules = package_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in module_level_imports(path, name):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not _under(name, imported):
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (as a path that ends where it starts), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_checks_see_the_whole_package():
     core = core_modules()
-    for expected in ("fcdp_deepspeed", "fcdp_deepspeed.api", "fcdp_deepspeed.stage3", "fcdp_deepspeed.runtime",
-                     "fcdp_deepspeed.runtime.fetch"):
+    for expected in ("fcdp_deepspeed.api", "fcdp_deepspeed.stage3", "fcdp_deepspeed.runtime",
+                     "fcdp_deepspeed.runtime.fetch", "fcdp_deepspeed.autoload", "fcdp_deepspeed.version_gate"):
         assert expected in core, sorted(core)
-    assert not any(_is_tooling(name) for name in core)
+    graph = import_graph()
+    assert {"fcdp_deepspeed.stage3", "fcdp_deepspeed.engine_stats"} <= graph["fcdp_deepspeed.api"]
+    assert "fcdp_deepspeed.runtime.fetch" in graph["fcdp_deepspeed.runtime"]
+    assert "fcdp_deepspeed.api" not in graph[FACADE]  # lazy: inside functions only
 
 
-def test_core_source_never_imports_the_tooling():
-    offenders = {name: sorted(n for n in imported_names(path, name) if _is_tooling(n))
+def test_no_import_circle_in_the_package():
+    assert find_cycle(import_graph()) is None, find_cycle(import_graph())
+
+
+def test_the_circle_check_finds_circles():
+    """Broken variants: the api <-> integrations circle this layering removed, and a longer one."""
+    assert find_cycle({"api": {"hf", "stats"}, "hf": {"api"}, "stats": set()}) == ["api", "hf", "api"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_core_never_imports_tooling_integrations_or_the_startup_hook():
+    def forbidden(name: str) -> bool:
+        return _under(name, TOOLS) or _under(name, INTEGRATIONS) or name.split(".")[0] == STARTUP
+
+    offenders = {name: sorted(n for n in imported_names(path, name) if forbidden(n))
                  for name, path in core_modules().items()}
-    assert not {k: v for k, v in offenders.items() if v}, "the core imports the tooling (move the code or invert it)"
+    assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
-def test_old_paths_are_aliases_and_nothing_else():
-    """Each old path is one ``alias(__name__, "<new path>")`` call, so it cannot grow code of its own."""
-    for old, new in ALIASES.items():
-        path = PACKAGE_DIR / f"{old.rpartition('.')[2]}.py"
-        body = ast.parse(path.read_text()).body
-        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)  # docstring
-        assert ast.unparse(body[1]) == "from fcdp_deepspeed.tools._alias import alias", path
-        assert ast.unparse(body[2]) == f"alias(__name__, {new!r})" and len(body) == 3, path
-        assert (PACKAGE_DIR / "tools" / path.name).exists(), new
+def test_nothing_in_the_package_imports_the_startup_hook_and_the_facade_no_tooling():
+    for name, path in package_modules().items():
+        assert not any(n.split(".")[0] == STARTUP for n in imported_names(path, name)), name
+    assert not any(_under(n, TOOLS) for n in imported_names(PACKAGE_DIR / "__init__.py", FACADE))
 
 
-def test_old_paths_resolve_to_the_moved_modules():
-    import importlib
-    for old, new in ALIASES.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from fcdp_deepspeed import toy
-    from fcdp_deepspeed.tools import toy as moved
-    assert toy is moved
+def test_the_facade_is_lazy():
+    """``fcdp_deepspeed/__init__.py`` imports nothing at module level but the standard library."""
+    top = {n.split(".")[0] for n in module_level_imports(PACKAGE_DIR / "__init__.py", FACADE)}
+    assert top <= set(sys.stdlib_module_names), top
+
+
+def test_startup_hook_imports_only_the_standard_library():
+    """The startup hook runs at every interpreter start (its .pth line): it, and every package module it
+    imports, may import at module level nothing but the standard library and each other; the hook
+    itself holds no logic (it calls into the package)."""
+    graph = import_graph()
+    reached = {n for n in imported_names(STARTUP_FILE, STARTUP) if _under(n, PACKAGE)}
+    reached |= {PACKAGE}
+    todo = list(reached)
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    modules = package_modules()
+    for name in reached:
+        if name not in modules:
+            continue
+        top = {n.split(".")[0] for n in module_level_imports(modules[name], name)}
+        assert top <= set(sys.stdlib_module_names) | {PACKAGE}, (name, top)
+    assert reached <= {PACKAGE, "fcdp_deepspeed.autoload", "fcdp_deepspeed.post_import",
+                       "fcdp_deepspeed.version_gate", INTEGRATIONS}, sorted(reached)
+    assert len(STARTUP_FILE.read_text().splitlines()) <= 40
+
+
+LOADED_AT_START = ("import json, sys; print(json.dumps(sorted(m for m in sys.modules "
+                   "if m.split('.')[0] in ('torch', 'deepspeed', 'transformers', 'numpy', 'fcdp_deepspeed'))))")
+
+
+def test_startup_hook_loads_no_torch_deepspeed_or_transformers():
+    """What the startup hook loads in a fresh interpreter (run by hand, as the .pth line would)."""
+    code = f"import {STARTUP}; {STARTUP}.startup(); {LOADED_AT_START}"
+    env = dict(os.environ, FCDP_AUTOLOAD="1")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(eval(proc.stdout.strip().splitlines()[-1]))
+    assert loaded == {PACKAGE, "fcdp_deepspeed.autoload", "fcdp_deepspeed.post_import", "fcdp_deepspeed.version_gate",
+                      INTEGRATIONS}, loaded
 
 
 BLOCKED_IMPORT = """
 import importlib, importlib.abc, sys
-TOOLS = {tools!r}
+BLOCKED = {blocked!r}
+AT_START = set(sys.modules)  # the startup hook, loaded by its .pth line before this runs
 
-class NoTooling(importlib.abc.MetaPathFinder):
+class Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == TOOLS or name.startswith(TOOLS + "."):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             raise ImportError(f"the core imported {{name}}")
         return None
 
-sys.meta_path.insert(0, NoTooling())
+sys.meta_path.insert(0, Blocked())
 for name in {modules!r}:
     importlib.import_module(name)
-loaded = sorted(m for m in sys.modules if m == TOOLS or m.startswith(TOOLS + "."))
+loaded = sorted(m for m in set(sys.modules) - AT_START if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 assert not loaded, loaded
-print("core imported without the tooling:", len({modules!r}), "modules")
+print("core imported without the tooling and integrations:", len({modules!r}), "modules")
 """
 
 
-def test_every_core_module_imports_with_the_tooling_unimportable():
+def test_every_core_module_imports_with_tooling_and_integrations_unimportable():
     modules = sorted(core_modules())
-    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
-    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT.format(tools=TOOLS, modules=modules)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=str(PACKAGE_DIR.parent))
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), FCDP_AUTOLOAD="0")
+    code = BLOCKED_IMPORT.format(blocked=[TOOLS, INTEGRATIONS, STARTUP], modules=modules)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(ROOT))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "core imported without the tooling" in proc.stdout
-
-
-AUTOLOAD = PACKAGE_DIR.parent / "fcdp_deepspeed_autoload.py"
-
-
-def test_startup_hook_imports_only_the_standard_library():
-    """``fcdp_deepspeed_autoload`` runs at every interpreter start (its .pth line): it may import nothing
-    but the standard library, at module level or inside its functions, except the package itself when
-    DeepSpeed was imported (and hjson, DeepSpeed's own config reader, for a non-JSON config path)."""
-    allowed_lazily = {"fcdp_deepspeed", "hjson"}
-    names = imported_names(AUTOLOAD, "fcdp_deepspeed_autoload")
-    top = {n.split(".")[0] for n in names if n}
-    assert not {n for n in top if n not in sys.stdlib_module_names and n not in allowed_lazily}, top
-    module_level = set()
-    for node in ast.parse(AUTOLOAD.read_text()).body:
-        if isinstance(node, ast.Import):
-            module_level.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            module_level.add((node.module or "").split(".")[0])
-    assert module_level <= {"__future__", "_thread", "os", "sys"}, module_level
 
 
 def test_integrations_import_their_framework_only_when_used():
@@ -150,5 +248,5 @@ def test_integrations_import_their_framework_only_when_used():
             "hf.FCDPStatsCallback; assert 'transformers' in sys.modules; print('ok')")
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=str(PACKAGE_DIR.parent))
+                          cwd=str(ROOT))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

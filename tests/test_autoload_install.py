@@ -2,7 +2,7 @@
 then editable (PEP 660), and the unmodified ``examples/train_toy.py`` (no FCDP code) launched by
 torchrun and by the deepspeed launcher with the block on and off. FCDP's optimizer class must be
 built exactly when the block is enabled, in every rank, and a process that never imports DeepSpeed
-must not import torch, DeepSpeed or this package.
+must not import torch, DeepSpeed or transformers (of this package, only the startup modules).
 
 One venv per test session (module-scoped fixture): ``pip install torch==2.13.0`` (the exact pin
 resolves to a local CPU wheel), then the package's wheel with its dependencies, then ``pip install
@@ -27,7 +27,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_toy.py"
 TORCH_PIN = "torch==2.13.0"
-HEAVY = ("torch", "deepspeed", "fcdp_deepspeed", "transformers", "numpy")
+HEAVY = ("torch", "deepspeed", "transformers", "numpy")
+#: What the startup hook loads of this package: its lazy ``__init__`` and standard-library-only modules.
+STARTUP_MODULES = ["fcdp_deepspeed", "fcdp_deepspeed.autoload", "fcdp_deepspeed.integrations",
+                   "fcdp_deepspeed.post_import", "fcdp_deepspeed.version_gate"]
 KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 
@@ -104,9 +107,10 @@ def test_startup_hook_is_installed_and_cheap(fresh, installed):
     origin = fresh.python_c("import fcdp_deepspeed_autoload as m; print(m.__file__)").strip()
     assert origin.startswith(str(ROOT) if installed == "editable" else str(site)), origin
     probe = ("import json, sys; print(json.dumps([sorted(m for m in sys.modules if m.split('.')[0] in %r), "
+             "sorted(m for m in sys.modules if m.split('.')[0] == 'fcdp_deepspeed'), "
              "'fcdp_deepspeed_autoload' in sys.modules, type(sys.meta_path[0]).__name__]))" % (HEAVY, ))
-    loaded, hook_ran, first_finder = json.loads(fresh.python_c(probe).strip().splitlines()[-1])
-    assert loaded == [] and hook_ran and first_finder == "_PostImportFinder"
+    loaded, ours, hook_ran, first_finder = json.loads(fresh.python_c(probe).strip().splitlines()[-1])
+    assert loaded == [] and ours == STARTUP_MODULES and hook_ran and first_finder == "_PostImportFinder"
 
 
 def test_importing_deepspeed_installs_fcdp_unless_opted_out(fresh, installed):

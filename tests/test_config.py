@@ -94,7 +94,7 @@ def test_compatible_config_passes():
 
 
 def test_version_gate(monkeypatch):
-    from fcdp_deepspeed._compat import ALLOW_UNTESTED_ENV, UnsupportedDeepSpeedVersion, check_deepspeed_version
+    from fcdp_deepspeed.version_gate import ALLOW_UNTESTED_ENV, UnsupportedDeepSpeedVersion, check_deepspeed_version
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     assert check_deepspeed_version("0.19.8") == "0.19.8"
     with pytest.raises(UnsupportedDeepSpeedVersion, match="deepspeed==0.19.8"):

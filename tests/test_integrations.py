@@ -36,6 +36,12 @@ def _config(tmp: Path, fcdp_block) -> str:
 
 
 def _launch(cmd: list[str], out: Path, **env_extra: str) -> list[dict]:
+    _run_launcher(cmd, out, **env_extra)
+    return json.loads(out.read_text())
+
+
+def _run_launcher(cmd: list[str], out: Path, **env_extra: str) -> None:
+    """Run a launcher until it exits; ``out`` (written once every rank is done) must then exist."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning", **env_extra)
     # own session: on a timeout the launcher *and* its ranks are killed (a launcher killed alone
     # leaves its ranks running)
@@ -50,7 +56,6 @@ def _launch(cmd: list[str], out: Path, **env_extra: str) -> list[dict]:
     # gloo ranks sometimes abort in interpreter teardown after a complete, successful run; the
     # results file is written only after every rank finished training, so that case is accepted.
     assert proc.returncode == 0 or (KNOWN_EXIT_ABORT in log and out.exists()), log[-4000:]
-    return json.loads(out.read_text())
 
 
 def _torchrun(args: list[str]) -> list[str]:
@@ -83,6 +88,32 @@ def test_run_module_under_deepspeed_launcher(tmp):
            "--module", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(out)]
     res = _launch(cmd, out)
     assert all(r["optimizer"] == "FCDPStage3" and r["cache_hits"] > 0 for r in res)
+
+
+@pytest.mark.slow
+def test_plain_hf_script_logs_fcdp_counters_under_both_launchers(tmp):
+    """A Trainer script that imports neither DeepSpeed nor fcdp_deepspeed (accelerate imports DeepSpeed
+    inside ``Trainer(...)``): the startup hook patches the Trainer when transformers is imported, so
+    full fine-tuning of a tiny GPT-2 with the block in its config logs ``fcdp/*`` entries, in fresh
+    ranks of torchrun and of the deepspeed launcher (2 ranks as 2 nodes: ``ranks_per_node`` 1)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    hf_config = json.loads("\n".join(line.split("//")[0] for line in
+                                     (ROOT / "configs" / "hf_full_fcdp.json").read_text().splitlines()))
+    hf_config["fcdp"] = {"enabled": True, "ranks_per_node": 1}
+    (tmp / "hf.json").write_text(json.dumps(hf_config))
+    script = [str(ROOT / "examples" / "hf_gpt2_trainer.py"), "--deepspeed_config", str(tmp / "hf.json")]
+    launchers = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+                 "deepspeed": [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]}
+    for name, launcher in launchers.items():
+        out = tmp / name
+        out.mkdir()
+        _run_launcher([*launcher, "--master_port", str(free_port()), *script, "--out", str(out)], out / "rank1.json")
+        for rank in (0, 1):
+            r = json.loads((out / f"rank{rank}.json").read_text())
+            assert not r["deepspeed_before_trainer"] and r["optimizer"] == "FCDPStage3", (name, r)
+            assert r["callbacks"][0] == "FCDPStatsCallback", (name, r["callbacks"])
+            assert len(r["fcdp_logs"]) == 2 and all(s["fcdp/inter_node_allgather_bytes"] > 0 for s in r["fcdp_logs"])
 
 
 def test_grad_modes_under_deepspeed_launcher(tmp):

@@ -7,8 +7,9 @@ entry); the Trainer reports rank 0's.
 
 Reporting callbacks read that same dict in list order, and the Trainer puts ``callbacks=[...]``
 *after* its own reporters, so the callback must be first: :func:`add_stats_callback` puts it there,
-and once FCDP is installed every Trainer whose DeepSpeed config has an enabled ``fcdp`` block gets it
-automatically (``FCDP_HF_CALLBACK=0`` or ``trainer.remove_callback(FCDPStatsCallback)`` opts out).
+and every Trainer whose DeepSpeed config has an enabled ``fcdp`` block gets it automatically once
+:func:`patch_trainer` has run (the startup hook runs it when ``transformers.trainer`` is imported,
+whether or not DeepSpeed is; so does ``fcdp_deepspeed.install()``) (``FCDP_HF_CALLBACK=0`` or ``trainer.remove_callback(FCDPStatsCallback)`` opts out).
 Nothing here imports ``transformers`` until the callback class is used.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def callback_class() -> type:
     """Build the ``TrainerCallback`` subclass (imports ``transformers``)."""
     from transformers import TrainerCallback
 
-    from fcdp_deepspeed.api import stats_of
+    from fcdp_deepspeed.engine_stats import stats_of
 
     class FCDPStatsCallback(TrainerCallback):
         """Adds ``fcdp/*`` counters to every Trainer log event (see :mod:`fcdp_deepspeed.integrations.hf`)."""

@@ -7,6 +7,5 @@ The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imp
 - ``cluster.py``: an emulated multi-node cluster (network namespaces, shaped uplinks);
 - ``toy.py``: tiny models and a deterministic training loop;
 - ``bench.py``, ``planner.py``, ``demo.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``;
-- ``cli.py``: the ``fcdp`` command;
-- ``_alias.py``: keeps the modules' old paths (``fcdp_deepspeed.launch``, ...) working.
+- ``cli.py``: the ``fcdp`` command.
 """

@@ -1,0 +1,37 @@
+"""One engine's counters as a dict: what ``get_stats`` and the integrations' log entries report."""
+from __future__ import annotations
+
+from typing import Any
+
+from fcdp_deepspeed.stats import LEDGER
+
+
+def _process_totals() -> dict:
+    totals = {**LEDGER.totals.allgather_summary(), **LEDGER.totals.snapshot()}
+    return {f"process_{k}": v for k, v in totals.items()}
+
+
+def stats_of(optimizer: Any) -> dict:
+    """:func:`get_stats` given the engine's ``optimizer`` (the ZeRO-3 optimizer or offload object)."""
+    runtime = getattr(optimizer, "fcdp", None)
+    if runtime is not None:
+        out = runtime.stats()
+    else:
+        # Engines built by FCDP's classes count their own collectives (fcdp_comm); others, built before
+        # install(), only have the process's counts since counting began.
+        comm = getattr(optimizer, "fcdp_comm", None)
+        since = comm.copy() if comm is not None else LEDGER.totals.copy()
+        out = {
+            **since.allgather_summary(),
+            "cache_hits": 0, "cache_misses": 0, "host_cache_bytes": 0, "device_cache_bytes": 0,
+            "fcdp_enabled": False,
+            **since.snapshot(),
+        }
+    reducer = getattr(optimizer, "fcdp_grads", None)
+    if reducer is not None:
+        out.update(reducer.stats())
+    out.setdefault("fcdp_enabled", True)
+    out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
+    out["node_layout_source"] = LEDGER.layout_source
+    out.update(_process_totals())
+    return out

@@ -1,4 +1,0 @@
-"""Moved to :mod:`fcdp_deepspeed.tools.planner`; this old path stays an alias of it."""
-from fcdp_deepspeed.tools._alias import alias
-
-alias(__name__, "fcdp_deepspeed.tools.planner")

@@ -1,0 +1,49 @@
+"""DeepSpeed version gate: FCDP runs only on DeepSpeed releases it was tested against.
+
+FCDP hooks private DeepSpeed internals (the stage-3 secondary-tensor path, the optimizer's
+invalidation events). Those move between releases, so the plugin only runs on tested releases unless
+the user explicitly opts out. Standard library only: the startup hook decides with it before
+anything imports torch or DeepSpeed.
+"""
+from __future__ import annotations
+
+import os
+# [Note: no runtime ``typing`` import: the startup hook imports this module at every interpreter start.]
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Mapping, Optional
+
+
+#: DeepSpeed releases the hooks were verified against (parity and traffic tests).
+TESTED_DEEPSPEED_VERSIONS = ("0.19.8", )
+#: Set to 1 to run on an untested DeepSpeed release anyway (at your own risk).
+ALLOW_UNTESTED_ENV = "FCDP_ALLOW_UNTESTED_DEEPSPEED"
+
+
+class UnsupportedDeepSpeedVersion(ImportError):
+    """The installed DeepSpeed release was never tested with FCDP."""
+
+
+def version_is_tested(version: str, env: Optional[Mapping[str, str]] = None) -> bool:
+    allow = (env if env is not None else os.environ).get(ALLOW_UNTESTED_ENV, "") == "1"
+    return version.split("+")[0] in TESTED_DEEPSPEED_VERSIONS or allow
+
+
+def untested_message(version: str) -> str:
+    return (f"fcdp-deepspeed was tested with deepspeed=={', '.join(TESTED_DEEPSPEED_VERSIONS)} but "
+            f"deepspeed=={version} is installed. Fix: `pip install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}`, "
+            f"or set {ALLOW_UNTESTED_ENV}=1 to run untested (verify parity with `\"verify\": true`).")
+
+
+def check_deepspeed_version(version: Optional[str] = None) -> str:
+    """Return the DeepSpeed version, or raise if it is not a tested release.
+
+    Why: a silently changed internal (e.g. the secondary-partition call in ``Init._partition``)
+    would turn the cache into stale or garbled weights instead of an error.
+    """
+    if version is None:
+        import deepspeed
+        version = deepspeed.__version__
+    if version_is_tested(version):
+        return version
+    raise UnsupportedDeepSpeedVersion(untested_message(version))
