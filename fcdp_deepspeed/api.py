@@ -96,6 +96,9 @@ def stats_of(optimizer: Any) -> dict:
             "fcdp_enabled": False,
             **since.snapshot(),
         }
+    plan = getattr(optimizer, "fcdp_grad_plan", None)
+    if plan is not None:  # the resolved gradient modes (auto resolved), with or without a reducer
+        out.update(plan.stats())
     reducer = getattr(optimizer, "fcdp_grads", None)
     if reducer is not None:
         out.update(reducer.stats())

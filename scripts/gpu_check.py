@@ -35,8 +35,9 @@ def rank_main(hidden: int, layers: int, steps: int) -> dict:
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=2)
     acc = get_accelerator()
     out = {"device": acc.device_name(), "name": torch.cuda.get_device_name(0)}
-    variants = {"zero3": (None, 0, 1), "fcdp_host": ({"cache_device": "host"}, 0, 1),
-                "fcdp_device": ({"cache_device": "device", "device_budget": "90%"}, 0, 1), "hpz": (None, 2, 1),
+    ZERO3_GRADS = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # bit-identical losses are checked: DeepSpeed's gradient path
+    variants = {"zero3": (None, 0, 1), "fcdp_host": ({"cache_device": "host", **ZERO3_GRADS}, 0, 1),
+                "fcdp_device": ({"cache_device": "device", "device_budget": "90%", **ZERO3_GRADS}, 0, 1), "hpz": (None, 2, 1),
                 "zero3_ga2": (None, 0, 2), "fcdp_node_ga2": ({"cache_device": "host", "grad_accumulation": "node"}, 0, 2)}
     for name, (extra, hpz, ga) in variants.items():
         block = {"enabled": True, "ranks_per_node": 2, **extra} if extra is not None else None

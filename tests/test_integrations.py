@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ranks
+from workers.common import ZERO3_GRADS
 from fcdp_deepspeed.tools.launch import free_port
 
 
@@ -66,7 +67,7 @@ def tmp(tmp_path):
 def test_run_module_under_torchrun_matches_plain(tmp):
     """With the startup hook off (FCDP_AUTOLOAD=0), ``-m fcdp_deepspeed.run`` alone turns FCDP on, and the
     same script and config without it is DeepSpeed's own ZeRO-3."""
-    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS})
     fcdp = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "a.json")]),
                    tmp / "a.json", FCDP_AUTOLOAD="0")
     plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "b.json")]), tmp / "b.json",
@@ -77,7 +78,7 @@ def test_run_module_under_torchrun_matches_plain(tmp):
 
 
 def test_run_module_under_deepspeed_launcher(tmp):
-    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS})
     out = tmp / "c.json"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
            "--module", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(out)]
