@@ -14,7 +14,7 @@ from fcdp_deepspeed.grads import uninstall_dispatch
 from fcdp_deepspeed.integrations import hf as _hf
 from fcdp_deepspeed.monitor import RecordingMonitorMaster
 from fcdp_deepspeed.stage3 import CountedStage3, CountedZeROOffload
-from fcdp_deepspeed.stats import LEDGER
+from fcdp_deepspeed.stats import LEDGER, LayoutKind
 from fcdp_deepspeed.topology import discover_node_map
 
 _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
@@ -72,7 +72,7 @@ def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
     or to count engines built before :func:`install`.
     """
     node_of_rank, source, _ = discover_node_map(ranks_per_node)
-    LEDGER.install(node_of_rank, source)
+    LEDGER.install(node_of_rank, source, kind=LayoutKind.EXPLICIT)
 
 
 def _process_totals() -> dict:
@@ -104,7 +104,8 @@ def stats_of(optimizer: Any) -> dict:
         out.update(reducer.stats())
     out.setdefault("fcdp_enabled", True)
     out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
-    out["node_layout_source"] = LEDGER.layout_source
+    comm = getattr(optimizer, "fcdp_comm", None)
+    out["node_layout_source"] = LEDGER.layout_for(comm)[1] if comm is not None else LEDGER.layout_source
     out.update(_process_totals())
     return out
 

@@ -142,13 +142,26 @@ def test_counters_written_to_deepspeed_monitor():
         assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
 
 
+def test_plain_engines_count_by_their_own_layout_whatever_the_build_order():
+    """A plain ZeRO-3 engine built after an FCDP engine that simulates 2 nodes on one machine counted its
+    reduce-scatter as inter-node (the FCDP engine's layout had become the process's); one built before did
+    not. Each engine now classifies its collectives by its own layout: plain engines by the launcher's
+    (one machine here: nothing inter-node), the FCDP engine by its topology."""
+    for rank in run_ranks("integrations:plain_around_fcdp", 4):
+        before, fcdp, after = rank["before"], rank["fcdp"], rank["after"]
+        assert after == before, (before, after)
+        assert before["inter_node_grad_reduce_bytes"] == before["inter_node_allgather_bytes"] == 0
+        assert before["intra_node_grad_reduce_bytes"] > 0 and before["node_layout_source"].startswith("LOCAL_WORLD_SIZE")
+        assert fcdp["grad_reduce"] == "hierarchical" and fcdp["inter_node_grad_reduce_bytes"] > 0
+
+
 def test_each_engine_counts_its_own_collectives():
     """Two engines in one process (a trained policy and an optimizer-less ZeRO-3 reference), counted
     without enable_comm_counting, first both plain ZeRO-3, then with an FCDP policy: in each window only
     the engine that ran gains bytes, and its gains are all the process's data collectives in that window."""
-    for rank in run_ranks("integrations:two_engines_attribution", 4, policy_fcdp=(False, True)):
+    for rank in run_ranks("integrations:two_engines_attribution", 4, policy_fcdp=(False, True, "auto")):
         assert rank["installed"], "the startup hook did not install FCDP (reinstall: pip install -e .)"
-        for policy_fcdp, r in zip((False, True), rank["runs"]):
+        for policy_fcdp, r in zip((False, True, "auto"), rank["runs"]):
             assert r["classes"] == ["FCDPStage3" if policy_fcdp else "CountedStage3", "CountedZeROOffload"]
             for w in r["windows"]:
                 ref, pol = w["reference_forward"], w["policy_step"]
