@@ -22,7 +22,10 @@ Gradients (``grad_reduce``/``grad_accumulation``, see ``grads.py``): DeepSpeed's
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
 reducer's copy/add/skip decision under node accumulation; the end of the boundary backward flushes
-buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window.
+buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window. The modes that run
+are resolved once per engine (``plan.py``, logged by rank 0) when the topology is known, in ``_attach``;
+``set_gradient_accumulation_boundary`` allocates the node buffer at the first window of more than one
+micro-step when the accumulation steps changed after initialize.
 """
 from __future__ import annotations
 
