@@ -17,6 +17,14 @@ FIT = BufferFit(need_bytes=5 * 2**20, budget_bytes=2**30)
 
 
 # -- the pure resolution --------------------------------------------------------------------------
+def test_defaults_are_auto_and_node_implies_hierarchical():
+    from fcdp_deepspeed.config import parse_fcdp_config
+    cfg = parse_fcdp_config({"fcdp": {"enabled": True}})
+    assert (cfg.grad_reduce, cfg.grad_accumulation) == ("auto", "auto")
+    assert parse_fcdp_config({"fcdp": {"enabled": True, "grad_accumulation": "node"}}).grad_reduce == "hierarchical"
+    assert not resolve_grad_plan("flat", "auto", 2, 2, 4, fit=FIT).active
+
+
 def test_auto_on_two_nodes_of_two_is_hierarchical_with_node_accumulation():
     plan = resolve_grad_plan("auto", "auto", 2, 2, 4, fit=FIT)
     assert (plan.grad_reduce, plan.grad_accumulation, plan.fell_back) == ("hierarchical", "node", False)
