@@ -128,6 +128,19 @@ def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node
     return 0
 
 
+def classify(method: str, args: dict, ranks: tuple[int, ...], me: int,
+             nodes: Optional[Sequence[str]]) -> tuple[str, int]:
+    """Link class of one collective under the layout ``nodes`` (inter-node when unknown), and the
+    bytes this rank sends over inter-node links (:func:`wire_bytes_sent`; 0 when unknown)."""
+    if nodes is None:
+        return INTER, 0
+    if len({nodes[r] for r in ranks}) == 1:
+        return INTRA, 0
+    if method == "broadcast":  # deepspeed.comm takes a global src rank
+        args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
+    return INTER, wire_bytes_sent(method, args, ranks, me, nodes) if method else 0
+
+
 class LayoutKind(enum.Enum):
     """Where the ledger's node layout came from, weakest first (see :meth:`CommLedger.install`)."""
 
@@ -292,21 +305,8 @@ class CommLedger:
             return self._node_of_rank, self.layout_source
         return own, counters.layout_source
 
-    def link_of(self, ranks: Sequence[int], nodes: Optional[Sequence[str]] = None) -> str:
-        nodes = self._node_of_rank if nodes is None else nodes
-        if nodes is None:
-            return INTER
-        return INTER if len({nodes[r] for r in ranks}) > 1 else INTRA
-
-    def _classify(self, method: str, args: dict, ranks: tuple[int, ...], me: int,
-                  nodes: Optional[Sequence[str]]) -> tuple[str, int]:
-        """Link class and inter-node wire bytes of one collective under the layout ``nodes``."""
-        link = INTER if nodes is None else self.link_of(ranks, nodes)
-        if link != INTER or nodes is None:
-            return link, 0
-        if method == "broadcast":  # deepspeed.comm takes a global src rank
-            args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
-        return link, wire_bytes_sent(method, args, ranks, me, nodes)
+    def link_of(self, ranks: Sequence[int]) -> str:
+        return classify("", {}, tuple(ranks), -1, self._node_of_rank)[0]
 
     def _record(self, method: str, args: dict) -> None:
         ranks, me = self._group_info(args.get("group"))
@@ -319,7 +319,7 @@ class CommLedger:
         for counters in (self.totals, *getattr(self._local, "sinks", ())):
             nodes = self.layout_for(counters)[0]
             if nodes not in classified:  # each engine classifies by its own layout (see layout_for)
-                classified[nodes] = self._classify(method, args, ranks, me, nodes)
+                classified[nodes] = classify(method, args, ranks, me, nodes)
             link, wire = classified[nodes]
             counters.add(family, link, nbytes, wire)
             if tag is not None:

@@ -142,6 +142,21 @@ def test_counters_written_to_deepspeed_monitor():
         assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
 
 
+def test_layout_each_engine_is_counted_by():
+    """Pure: which layout classifies an engine's collectives as the process's layout changes."""
+    from fcdp_deepspeed.stats import INTER, INTRA, CommCounters, CommLedger, LayoutKind, classify
+    ledger = CommLedger()  # never installed on a backend: only the layout bookkeeping is used
+    one_machine, simulated = ("n0",) * 4, ("a", "a", "b", "b")
+    plain = CommCounters(node_of_rank=one_machine, layout_source="LOCAL_WORLD_SIZE", follows_process=True)
+    fcdp = CommCounters(node_of_rank=simulated, layout_source="fcdp.ranks_per_node")
+    ledger._node_of_rank, ledger._kind = simulated, LayoutKind.ENGINE_SETTING  # what attach() installs
+    assert ledger.layout_for(plain)[0] == one_machine and ledger.layout_for(fcdp)[0] == simulated
+    ledger._node_of_rank, ledger._kind = ("x", "x", "y", "y"), LayoutKind.EXPLICIT  # enable_comm_counting
+    assert ledger.layout_for(plain)[0] == ("x", "x", "y", "y") and ledger.layout_for(fcdp)[0] == simulated
+    assert classify("all_reduce", {}, (0, 1, 2, 3), 0, one_machine)[0] == INTRA
+    assert classify("all_reduce", {}, (0, 1, 2, 3), 0, simulated)[0] == INTER
+
+
 def test_plain_engines_count_by_their_own_layout_whatever_the_build_order():
     """A plain ZeRO-3 engine built after an FCDP engine that simulates 2 nodes on one machine counted its
     reduce-scatter as inter-node (the FCDP engine's layout had become the process's); one built before did
