@@ -151,3 +151,13 @@ def test_accumulation_steps_set_after_initialize_keep_the_savings(parity, name):
         assert step_delta(later, "inter_node_grad_reduce_bytes") == step_delta(built, "inter_node_grad_reduce_bytes")
         assert later.stats["grad_buffer_host_bytes"] == built.stats["grad_buffer_host_bytes"] > 0
         assert_close(per_rank[name]["plain"], later, RTOL)
+
+
+def test_a_buffer_decided_at_build_time_fails_the_byte_check():
+    """The broken variant (no allocation when the accumulation steps change later) sends 4x the bytes at GA 4."""
+    per_rank = run_ranks("grads:parity", 4, timeout=600, scenarios=[SCENARIOS[4], SCENARIOS[-1]],
+                         break_kind="no_late_buffer")
+    for run in per_rank:
+        later, built = step_delta(run["ga_set_later"]["fcdp"], "inter_node_grad_reduce_bytes"), \
+            step_delta(run["ga_built"]["fcdp"], "inter_node_grad_reduce_bytes")
+        assert later[-1] == 4 * built[-1], (later, built)  # every micro-step of the 4 crosses nodes

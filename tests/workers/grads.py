@@ -40,6 +40,9 @@ def sabotage(kind: str) -> None:
             return original_reduce(self, params, tensors)
 
         grads.GradReducer.reduce = reduce
+    elif kind == "no_late_buffer":  # decide the buffer at build time only (accumulation steps set later are missed)
+        from fcdp_deepspeed.stage3 import CountedStage3, FCDPStage3
+        FCDPStage3.set_gradient_accumulation_boundary = CountedStage3.set_gradient_accumulation_boundary
     elif kind:
         raise ValueError(kind)
 
