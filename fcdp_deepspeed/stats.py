@@ -220,7 +220,7 @@ class CommLedger:
         self.totals = CommCounters()
         self._local = threading.local()
         self._node_of_rank: Optional[Sequence[str]] = None
-        #: Where the node layout came from; ``guessed`` layouts (no collective) yield to discovered ones.
+        #: Where the node layout came from (reported as ``node_layout_source``).
         self.layout_source: str = "none"
         #: Where the layout came from, weakest first: a guess (no collective), one FCDP engine's
         #: ``fcdp.ranks_per_node`` (that engine's setting, often several nodes simulated on one machine),
@@ -232,7 +232,7 @@ class CommLedger:
 
     # -- installation ------------------------------------------------------------------------
     def install(self, node_of_rank: Optional[Sequence[str]], source: str = "discovered",
-                kind: "LayoutKind" = None) -> None:
+                kind: Optional[LayoutKind] = None) -> None:
         """Wrap the backend's collectives (idempotent); ``node_of_rank`` classifies groups.
 
         A layout replaces the process's unless that one is of a stronger :class:`LayoutKind`: a guess
