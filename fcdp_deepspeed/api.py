@@ -20,7 +20,7 @@ from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
 from fcdp_deepspeed.grads import uninstall_dispatch  # noqa: E402
 from fcdp_deepspeed.monitor import RecordingMonitorMaster  # noqa: E402
 from fcdp_deepspeed.stage3 import CountedStage3, CountedZeROOffload  # noqa: E402
-from fcdp_deepspeed.stats import LEDGER  # noqa: E402
+from fcdp_deepspeed.stats import LEDGER, LayoutKind  # noqa: E402
 from fcdp_deepspeed.topology import discover_node_map  # noqa: E402
 
 _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
@@ -68,7 +68,7 @@ def enable_comm_counting(ranks_per_node: Optional[int] = None) -> None:
     or to count engines built before :func:`install`.
     """
     node_of_rank, source, _ = discover_node_map(ranks_per_node)
-    LEDGER.install(node_of_rank, source)
+    LEDGER.install(node_of_rank, source, kind=LayoutKind.EXPLICIT)
 
 
 def get_stats(engine: Any) -> dict:

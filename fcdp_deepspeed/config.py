@@ -133,15 +133,18 @@ class FCDPConfig(DeepSpeedConfigModel):
     min_numel: int = Field(0, ge=0)
     """Parameters with fewer elements than this are not cached (their gather cost is latency-bound)."""
 
-    grad_reduce: Literal["flat", "hierarchical"] = "flat"
+    grad_reduce: Literal["auto", "flat", "hierarchical"] = "auto"
     """``flat``: DeepSpeed's reduce-scatter over the whole data-parallel group (bit-identical to
     ZeRO-3). ``hierarchical``: reduce inside the node, then across nodes among node peers only, so
-    each node uplink carries (N-1)/N of the gradient once; the summation order differs from ZeRO-3."""
+    each node uplink carries (N-1)/N of the gradient once; the summation order differs from ZeRO-3.
+    ``auto``: ``hierarchical`` wherever there are N > 1 nodes of L > 1 ranks, else ``flat``
+    (docs/gradient-defaults.md)."""
 
-    grad_accumulation: Literal["rank", "node"] = "rank"
+    grad_accumulation: Literal["auto", "rank", "node"] = "auto"
     """``rank``: DeepSpeed's per-rank accumulation (every micro-step crosses nodes). ``node``: micro-steps
     before the accumulation boundary reduce inside the node into a node-shard buffer; the inter-node
-    stage runs once per optimizer step. Implies ``grad_reduce: hierarchical``."""
+    stage runs once per optimizer step. Implies ``grad_reduce: hierarchical``. ``auto``: ``node``
+    wherever the reduction is hierarchical and the whole buffer fits ``grad_buffer_budget``, else ``rank``."""
 
     grad_buffer_device: Literal["host", "device"] = "host"
     """Where the ``node`` accumulation buffer (1/L of the trainable parameters per rank, fp32) lives:
@@ -199,11 +202,6 @@ class FCDPConfig(DeepSpeedConfigModel):
     @property
     def grad_buffer_budget_spec(self) -> Budget:
         return Budget.parse("grad_buffer_budget", self.grad_buffer_budget)
-
-    @property
-    def grad_modes_active(self) -> bool:
-        """Whether gradients leave DeepSpeed's flat, per-rank path (summation order changes)."""
-        return self.grad_reduce != "flat" or self.grad_accumulation != "rank"
 
     def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
         """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,
@@ -317,10 +315,9 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
         raise FCDPConfigError("fcdp cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")
 
 
-def check_grad_modes_compatible(ds_config: Mapping[str, Any], fcdp: FCDPConfig) -> None:
-    """Refuse DeepSpeed settings that bypass the bucketed reduce-scatter the gradient modes replace."""
-    if not fcdp.grad_modes_active:
-        return
+def grad_path_blockers(ds_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """DeepSpeed settings under which stage 3 does not reduce through the bucketed reduce-scatter the
+    gradient modes replace, each as "setting ... Fix: ..." (empty: the modes can run)."""
     from deepspeed.runtime.zero.config import get_zero_config
 
     zero = get_zero_config(dict(ds_config))
@@ -328,13 +325,26 @@ def check_grad_modes_compatible(ds_config: Mapping[str, Any], fcdp: FCDPConfig) 
     if zero.zero_quantized_gradients:
         problems.append("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) reduces with its own quantized "
                         "all-to-all. Fix: set it to false")
-    if not zero.reduce_scatter:
-        problems.append("zero_optimization.reduce_scatter = false reduces with an all-reduce of the whole bucket. "
-                        "Fix: set it to true (the default)")
-    if fcdp.grad_accumulation == "node" and ds_config.get("managed_gradient_accumulation") is False:
+    # [Note: DeepSpeed 0.19.8 takes the all-reduce path (__avg_scatter_contiguous_grads) only when
+    # contiguous_gradients is true AND reduce_scatter is false; otherwise it reduces through
+    # __avg_scatter_grads -> reduce_scatter_coalesced, which FCDP hooks, whatever reduce_scatter says.]
+    if not zero.reduce_scatter and zero.contiguous_gradients:
+        problems.append("zero_optimization.reduce_scatter = false with contiguous_gradients = true reduces with an "
+                        "all-reduce of the whole bucket. Fix: set reduce_scatter true (the default) or "
+                        "contiguous_gradients false")
+    return tuple(problems)
+
+
+def grad_accumulation_blockers(ds_config: Mapping[str, Any]) -> tuple[str, ...]:
+    """DeepSpeed settings under which node accumulation cannot run (see :func:`grad_path_blockers`)."""
+    problems = []
+    if ds_config.get("managed_gradient_accumulation") is False:
         problems.append("managed_gradient_accumulation = false leaves the accumulation boundary to step(), so no "
                         "backward knows it is the last of the window. Fix: remove it, or set "
                         "fcdp.grad_accumulation to \"rank\"")
-    if problems:
-        raise FCDPConfigError(f"fcdp.grad_reduce = {fcdp.grad_reduce!r} / fcdp.grad_accumulation = "
-                              f"{fcdp.grad_accumulation!r} cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")
+    factor = ds_config.get("gradient_predivide_factor", 1.0)
+    if factor not in (None, 1, 1.0):  # DeepSpeed allows it only with reduce_scatter false
+        problems.append(f"gradient_predivide_factor = {factor} rescales each reduced bucket after the reduce-scatter, "
+                        "which window sums flushed at the end of backward would miss. Fix: remove it, or set "
+                        "fcdp.grad_accumulation to \"rank\"")
+    return tuple(problems)

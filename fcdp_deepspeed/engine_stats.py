@@ -27,11 +27,15 @@ def stats_of(optimizer: Any) -> dict:
             "fcdp_enabled": False,
             **since.snapshot(),
         }
+    plan = getattr(optimizer, "fcdp_grad_plan", None)
+    if plan is not None:  # the resolved gradient modes (auto resolved), with or without a reducer
+        out.update(plan.stats())
     reducer = getattr(optimizer, "fcdp_grads", None)
     if reducer is not None:
         out.update(reducer.stats())
     out.setdefault("fcdp_enabled", True)
     out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
-    out["node_layout_source"] = LEDGER.layout_source
+    comm = getattr(optimizer, "fcdp_comm", None)
+    out["node_layout_source"] = LEDGER.layout_for(comm)[1] if comm is not None else LEDGER.layout_source
     out.update(_process_totals())
     return out

@@ -51,6 +51,7 @@ from deepspeed.accelerator import get_accelerator
 import deepspeed.comm.comm as _comm_module
 from fcdp_deepspeed import device, faults, memory
 from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.plan import BufferFit, GradPlan, resolve_grad_plan
 from fcdp_deepspeed.stats import EventCounters, fmt_bytes
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
 
@@ -223,7 +224,8 @@ class GradReducer:
         self.peer_group = peer_group
         self.accumulation_dtype = accumulation_dtype
         self.is_boundary = is_boundary
-        self.node_accumulation = config.grad_accumulation == "node"
+        #: Set by :func:`build_reducer` from the resolved plan.
+        self.node_accumulation = False
         backend = _comm_module.cdb.get_backend(dp_group)
         #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there.
         self.use_alltoall = str(backend).lower() == "gloo"
@@ -236,16 +238,37 @@ class GradReducer:
         self._window: set[int] = set()  # ds_ids delivered to DeepSpeed in the current window
         self._last_delivered: set[int] = set()
         self._lock = threading.Lock()
+        self._trainable: list = []
+        self._buffer_planned = False
 
     # -- budget ---------------------------------------------------------------------------------
-    def plan_buffer(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Collective over the DP group: reserve buffer slots for a prefix (ds_id order) of the trainable
-        parameters that fits the budget on every rank; the rest accumulate per rank, with one warning."""
-        if not self.node_accumulation:
-            return
+    def _buffer_sizes(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list[int]]:
         params = sorted(params, key=lambda p: p.ds_id)
+        return params, [self.layout.nodes * chunk_numel(p.ds_numel, self.layout.dp_size) for p in params]
+
+    def measure_buffer(self, params: Sequence[torch.nn.Parameter]) -> BufferFit:
+        """Collective over the DP group: what buffering every trainable parameter needs, against the
+        smallest budget share of any rank (an agreed input of :func:`~fcdp_deepspeed.plan.resolve_grad_plan`)."""
+        params, numels = self._buffer_sizes(params)
+        self._trainable = params
+        on_device = self.config.grad_buffer_device == "device"
+        return BufferFit(need_bytes=sum(numels) * self.accumulation_dtype.itemsize,
+                         budget_bytes=self._agree_min(self._budget_bytes(on_device)),
+                         device="device" if on_device else "host")
+
+    @property
+    def buffer_planned(self) -> bool:
+        return self._buffer_planned
+
+    def plan_buffer(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """Collective over the DP group: reserve buffer slots for a prefix (ds_id order) of the trainable
+        parameters (default: those given to :meth:`measure_buffer`) that fits the budget on every rank;
+        the rest accumulate per rank, with one warning. Runs once."""
+        if not self.node_accumulation or self._buffer_planned:
+            return
+        self._buffer_planned = True
+        params, numels = self._buffer_sizes(self._trainable if params is None else params)
         self._params_by_id = {p.ds_id: p for p in params}
-        numels = [self.layout.nodes * chunk_numel(p.ds_numel, self.layout.dp_size) for p in params]
         itemsize = self.accumulation_dtype.itemsize
         on_device = self.config.grad_buffer_device == "device"
         budget = self._budget_bytes(on_device)
@@ -418,8 +441,6 @@ class GradReducer:
     def stats(self) -> dict:
         c = self.counters
         return {
-            "grad_reduce": self.config.grad_reduce,
-            "grad_accumulation": self.config.grad_accumulation,
             "grad_buffer_host_bytes": self.buffer.nbytes if self.buffer.device == "host" else 0,
             "grad_buffer_device_bytes": self.buffer.nbytes if self.buffer.device == "device" else 0,
             "grad_buffer_params": len(self.buffer.offsets),
@@ -476,32 +497,33 @@ def uninstall_dispatch() -> None:
         stage3_module.reduce_scatter_coalesced = fn.__wrapped__
 
 
-_DEGENERATE_WARNED = False
-
-
 def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: Sequence[torch.nn.Parameter],
-                  accumulation_dtype: torch.dtype, is_boundary: Any, accumulation_steps: int = 2) -> Optional[GradReducer]:
-    """Collective over the world: the engine's gradient plan, or ``None`` for DeepSpeed's own path
-    (flat/rank settings, or one node / one rank per node, where both stages would be one). With one
-    micro-step per optimizer step every micro-step is a boundary, so no node buffer is allocated (a
-    later change of the accumulation steps then reduces across nodes every micro-step: exact, as
-    over budget)."""
-    global _DEGENERATE_WARNED
-    if not config.grad_modes_active:
-        return None
-    if topo.num_nodes == 1 or topo.ranks_per_node == 1:
-        # one node: the cache's attach line already said that FCDP takes no memory there
-        if not _DEGENERATE_WARNED and topo.num_nodes > 1 and dist.get_rank() == 0:
-            from deepspeed.utils import logger
-            logger.warning(f"fcdp: grad_reduce = {config.grad_reduce!r}, grad_accumulation = {config.grad_accumulation!r} "
-                           f"have nothing to split with {topo.num_nodes} node(s) x {topo.ranks_per_node} rank(s) per "
-                           f"node; gradients take DeepSpeed's flat reduce-scatter (as with flat/rank).")
-        _DEGENERATE_WARNED = True
-        return None
-    peer_ranks, peer_group = build_peer_group(topo)
-    layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
-    assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
-    reducer = GradReducer(config, layout, dp_group, topo.group, peer_group, accumulation_dtype, is_boundary)
-    reducer.plan_buffer(trainable if accumulation_steps > 1 else [])
-    install_dispatch()
-    return reducer
+                  accumulation_dtype: torch.dtype, is_boundary: Any, accumulation_steps: int = 2,
+                  path_blockers: Sequence[str] = (), accumulation_blockers: Sequence[str] = ()
+                  ) -> tuple[GradPlan, Optional[GradReducer]]:
+    """Collective over the world: the engine's resolved gradient plan (logged once by rank 0), and its
+    reducer, or ``None`` for DeepSpeed's own path (flat, or one node / one rank per node, where both
+    stages would be one). With one micro-step per optimizer step every micro-step is a boundary, so the
+    node buffer is only measured here; :meth:`GradReducer.plan_buffer` allocates it at the first
+    micro-step that is not a boundary (``FCDPStage3.set_gradient_accumulation_boundary``)."""
+    def resolve(fit: Optional[BufferFit] = None) -> GradPlan:
+        return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, topo.num_nodes, topo.ranks_per_node,
+                                 accumulation_steps, path_blockers, accumulation_blockers, fit)
+
+    plan = resolve()
+    reducer = None
+    if plan.active:
+        peer_ranks, peer_group = build_peer_group(topo)
+        layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
+        assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
+        reducer = GradReducer(config, layout, dp_group, topo.group, peer_group, accumulation_dtype, is_boundary)
+        if config.grad_accumulation != "rank" and not accumulation_blockers:
+            plan = resolve(reducer.measure_buffer(trainable))
+        reducer.node_accumulation = plan.grad_accumulation == "node"
+        if accumulation_steps > 1:
+            reducer.plan_buffer()
+        install_dispatch()
+    if dist.get_rank() == 0:
+        from deepspeed.utils import logger
+        (logger.warning if plan.fell_back else logger.info)(plan.log_line())
+    return plan, reducer

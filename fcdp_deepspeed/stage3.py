@@ -22,19 +22,24 @@ Gradients (``grad_reduce``/``grad_accumulation``, see ``grads.py``): DeepSpeed's
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
 reducer's copy/add/skip decision under node accumulation; the end of the boundary backward flushes
-buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window.
+buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window. The modes that run
+are resolved once per engine (``plan.py``, logged by rank 0) when the topology is known, in ``_attach``;
+``set_gradient_accumulation_boundary`` allocates the node buffer at the first window of more than one
+micro-step when the accumulation steps changed after initialize.
 """
 from __future__ import annotations
 
+from deepspeed import comm as dist
+from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed import device, grads, strict_device
-from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
-                                   parse_fcdp_config)
+from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
+                                   load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
 from fcdp_deepspeed.runtime.counting import count_plain_engine
-from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters
+from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -109,9 +114,9 @@ class FCDPStage3(CountedStage3):
         fcdp_config = parse_fcdp_config(ds_config)
         if fcdp_config.enabled:
             check_ds_config_compatible(ds_config)
-            check_grad_modes_compatible(ds_config, fcdp_config)
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
+        self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
         super().__init__(module, init_optimizer, *args, **kwargs)
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -124,11 +129,28 @@ class FCDPStage3(CountedStage3):
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                 param_names=self.param_names, comm=self.fcdp_comm).activate()
-        self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
-                                              [p for p in params if p.requires_grad],
-                                              self.gradient_accumulation_dtype,
-                                              self.is_gradient_accumulation_boundary,
-                                              accumulation_steps=self.gradient_accumulation_steps)
+        # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
+        self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
+            fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
+            self.gradient_accumulation_dtype, self.is_gradient_accumulation_boundary,
+            accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
+            accumulation_blockers=grad_accumulation_blockers(ds_config))
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """The engine says, at the start of every backward, whether it ends the window. The first
+        window of more than one micro-step (Megatron sets the accumulation steps after initialize)
+        allocates the node buffer: every rank starts that backward together, so its agreement
+        all-reduce is safe here; a window already under way finishes per rank (its partitions hold
+        micro-steps DeepSpeed added)."""
+        super().set_gradient_accumulation_boundary(is_boundary)
+        reducer = self.fcdp_grads
+        if (not is_boundary and reducer is not None and reducer.node_accumulation and not reducer.buffer_planned
+                and self.micro_step_id == 0):
+            with self._attributed():
+                reducer.plan_buffer()
+            if dist.get_rank() == 0:
+                logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "
+                            f"buffer allocated now ({fmt_bytes(reducer.buffer.nbytes)}/rank {reducer.buffer.device})")
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:

@@ -11,6 +11,7 @@ algorithms (all-gather: (W-1) input chunks; reduce-scatter: (W-1)/W of the input
 """
 from __future__ import annotations
 
+import enum
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -127,6 +128,28 @@ def wire_bytes_sent(method: str, args: dict, ranks: Sequence[int], me: int, node
     return 0
 
 
+def classify(method: str, args: dict, ranks: tuple[int, ...], me: int,
+             nodes: Optional[Sequence[str]]) -> tuple[str, int]:
+    """Link class of one collective under the layout ``nodes`` (inter-node when unknown), and the
+    bytes this rank sends over inter-node links (:func:`wire_bytes_sent`; 0 when unknown)."""
+    if nodes is None:
+        return INTER, 0
+    if len({nodes[r] for r in ranks}) == 1:
+        return INTRA, 0
+    if method == "broadcast":  # deepspeed.comm takes a global src rank
+        args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
+    return INTER, wire_bytes_sent(method, args, ranks, me, nodes) if method else 0
+
+
+class LayoutKind(enum.Enum):
+    """Where the ledger's node layout came from, weakest first (see :meth:`CommLedger.install`)."""
+
+    GUESS = 0
+    ENGINE_SETTING = 1
+    DISCOVERED = 2
+    EXPLICIT = 3
+
+
 @dataclass
 class CommCounters:
     """Bytes and calls per (op family, link class). Thread-safe: backward runs on autograd threads."""
@@ -135,6 +158,11 @@ class CommCounters:
     calls: Counter = field(default_factory=Counter)
     wire: Counter = field(default_factory=Counter)
     """Estimated bytes this rank sent over inter-node links, by op family (see wire_bytes_sent)."""
+    node_of_rank: Optional[tuple[str, ...]] = None
+    """This engine's own node layout (``None``: the process's), see :meth:`CommLedger.layout_for`."""
+    layout_source: str = ""
+    follows_process: bool = False
+    """A plain engine's launcher guess: yields to a layout discovered from the machine or asked for."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, family: str, link: str, nbytes: int, wire: int = 0) -> None:
@@ -192,24 +220,30 @@ class CommLedger:
         self.totals = CommCounters()
         self._local = threading.local()
         self._node_of_rank: Optional[Sequence[str]] = None
-        #: Where the node layout came from; ``guessed`` layouts (no collective) yield to discovered ones.
+        #: Where the node layout came from (reported as ``node_layout_source``).
         self.layout_source: str = "none"
-        self._guessed = True
+        #: Where the layout came from, weakest first: a guess (no collective), one FCDP engine's
+        #: ``fcdp.ranks_per_node`` (that engine's setting, often several nodes simulated on one machine),
+        #: discovered from the machine by an FCDP engine, or asked for by enable_comm_counting.
+        self._kind = LayoutKind.GUESS
         self._group_cache: dict[int, tuple[tuple[int, ...], int]] = {}
         self._originals: dict[str, Callable] = {}
         self._backend: Any = None
 
     # -- installation ------------------------------------------------------------------------
-    def install(self, node_of_rank: Optional[Sequence[str]], source: str = "discovered", guessed: bool = False) -> None:
+    def install(self, node_of_rank: Optional[Sequence[str]], source: str = "discovered",
+                kind: Optional[LayoutKind] = None) -> None:
         """Wrap the backend's collectives (idempotent); ``node_of_rank`` classifies groups.
 
-        A ``guessed`` layout (derived without a collective, for plain ZeRO-3 engines) never replaces
-        one discovered by a collective (FCDP engines, :func:`~fcdp_deepspeed.enable_comm_counting`).
+        A layout replaces the process's unless that one is of a stronger :class:`LayoutKind`: a guess
+        (derived without a collective, for plain ZeRO-3 engines) never replaces one discovered by a
+        collective (FCDP engines), and nothing replaces :func:`~fcdp_deepspeed.enable_comm_counting`'s.
         """
-        if not guessed or self._guessed:
+        kind = LayoutKind.DISCOVERED if kind is None else kind
+        if kind.value >= self._kind.value:
             self._node_of_rank = tuple(node_of_rank) if node_of_rank is not None else None
             self.layout_source = source
-            self._guessed = guessed
+            self._kind = kind
         backend = _comm_module.cdb
         if self._backend is backend:
             return
@@ -257,25 +291,36 @@ class CommLedger:
             self._group_cache[key] = info
         return info
 
+    def layout_for(self, counters: CommCounters) -> tuple[Optional[tuple[str, ...]], str]:
+        """The layout (and its source) ``counters``' collectives are classified by.
+
+        [Note: per-engine layouts] An FCDP engine classifies by its own topology. A plain engine
+        classifies by the process's layout when that was discovered from the machine or asked for
+        (enable_comm_counting), else by its own launcher guess: an FCDP engine that simulates several
+        nodes on one machine (``fcdp.ranks_per_node``) must not turn a plain engine's collectives
+        inside that machine into inter-node bytes, whichever engine was built first.
+        """
+        own = counters.node_of_rank
+        if own is None or (counters.follows_process and self._kind.value >= LayoutKind.DISCOVERED.value):
+            return self._node_of_rank, self.layout_source
+        return own, counters.layout_source
+
     def link_of(self, ranks: Sequence[int]) -> str:
-        nodes = self._node_of_rank
-        if nodes is None:
-            return INTER
-        return INTER if len({nodes[r] for r in ranks}) > 1 else INTRA
+        return classify("", {}, tuple(ranks), -1, self._node_of_rank)[0]
 
     def _record(self, method: str, args: dict) -> None:
         ranks, me = self._group_info(args.get("group"))
         if len(ranks) <= 1:
             return
         nbytes = received_bytes(method, args, len(ranks), me)
-        family, link = OP_FAMILY[method], self.link_of(ranks)
-        wire = 0
-        if link == INTER and self._node_of_rank is not None:
-            if method == "broadcast":  # deepspeed.comm takes a global src rank
-                args = dict(args, src_in_group=ranks.index(args["src"]) if args.get("src") in ranks else -1)
-            wire = wire_bytes_sent(method, args, ranks, me, self._node_of_rank)
+        family = OP_FAMILY[method]
         tag = getattr(self._local, "tag", None)
+        classified: dict[Any, tuple[str, int]] = {}
         for counters in (self.totals, *getattr(self._local, "sinks", ())):
+            nodes = self.layout_for(counters)[0]
+            if nodes not in classified:  # each engine classifies by its own layout (see layout_for)
+                classified[nodes] = classify(method, args, ranks, me, nodes)
+            link, wire = classified[nodes]
             counters.add(family, link, nbytes, wire)
             if tag is not None:
                 counters.add(tag, link, nbytes)  # bytes and calls only: wire bytes stay per op family

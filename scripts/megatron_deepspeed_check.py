@@ -153,7 +153,8 @@ def cmd_configs(args: argparse.Namespace) -> int:
         # this small stays gathered from forward to backward, and there is no second gather to save.
         base["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     node = {"grad_accumulation": "node"}  # implies grad_reduce: hierarchical
-    for name, enabled, extra in (("zero3", False, {}), ("fcdp", True, {}), ("fcdp_node", True, node)):
+    zero3_grads = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # "fcdp" is compared bit for bit
+    for name, enabled, extra in (("zero3", False, {}), ("fcdp", True, zero3_grads), ("fcdp_node", True, node)):
         # ZeRO-3 keeps the (disabled) block only so the probe counts bytes with the same node layout.
         cfg = dict(base, fcdp={"enabled": enabled, "ranks_per_node": args.ranks_per_node, **extra})
         (out / f"ds_{name}.json").write_text(json.dumps(cfg, indent=2) + "\n")

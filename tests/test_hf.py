@@ -11,6 +11,7 @@ pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
 from conftest import run_ranks  # noqa: E402
+from workers.common import ZERO3_GRADS  # noqa: E402
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 LORA_CFG = os.path.join(CONFIGS, "hf_lora_fcdp.json")
@@ -20,7 +21,7 @@ FULL_CFG = os.path.join(CONFIGS, "hf_full_fcdp.json")
 def _pair(runner: str, use_peft: bool, cfg: str, steps: int = 4):
     kw = dict(steps=steps, ranks_per_node=2, runner=runner, use_peft=use_peft, ds_config=cfg)
     return (run_ranks("hf:hf_run", 4, timeout=600, fcdp=False, **kw),
-            run_ranks("hf:hf_run", 4, timeout=600, fcdp=True, **kw))
+            run_ranks("hf:hf_run", 4, timeout=600, fcdp=True, fcdp_extra=ZERO3_GRADS, **kw))
 
 
 def _per_step(rec):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ranks
+from workers.common import ZERO3_GRADS
 from fcdp_deepspeed.tools.launch import free_port
 
 
@@ -71,7 +72,7 @@ def tmp(tmp_path):
 def test_run_module_under_torchrun_matches_plain(tmp):
     """With the startup hook off (FCDP_AUTOLOAD=0), ``-m fcdp_deepspeed.run`` alone turns FCDP on, and the
     same script and config without it is DeepSpeed's own ZeRO-3."""
-    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS})
     fcdp = _launch(_torchrun(["-m", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "a.json")]),
                    tmp / "a.json", FCDP_AUTOLOAD="0")
     plain = _launch(_torchrun([SCRIPT, "--deepspeed_config", cfg, "--out", str(tmp / "b.json")]), tmp / "b.json",
@@ -82,7 +83,7 @@ def test_run_module_under_torchrun_matches_plain(tmp):
 
 
 def test_run_module_under_deepspeed_launcher(tmp):
-    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2})
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS})
     out = tmp / "c.json"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", str(free_port()),
            "--module", "fcdp_deepspeed.run", SCRIPT, "--deepspeed_config", cfg, "--out", str(out)]
@@ -172,13 +173,41 @@ def test_counters_written_to_deepspeed_monitor():
         assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
 
 
+def test_layout_each_engine_is_counted_by():
+    """Pure: which layout classifies an engine's collectives as the process's layout changes."""
+    from fcdp_deepspeed.stats import INTER, INTRA, CommCounters, CommLedger, LayoutKind, classify
+    ledger = CommLedger()  # never installed on a backend: only the layout bookkeeping is used
+    one_machine, simulated = ("n0",) * 4, ("a", "a", "b", "b")
+    plain = CommCounters(node_of_rank=one_machine, layout_source="LOCAL_WORLD_SIZE", follows_process=True)
+    fcdp = CommCounters(node_of_rank=simulated, layout_source="fcdp.ranks_per_node")
+    ledger._node_of_rank, ledger._kind = simulated, LayoutKind.ENGINE_SETTING  # what attach() installs
+    assert ledger.layout_for(plain)[0] == one_machine and ledger.layout_for(fcdp)[0] == simulated
+    ledger._node_of_rank, ledger._kind = ("x", "x", "y", "y"), LayoutKind.EXPLICIT  # enable_comm_counting
+    assert ledger.layout_for(plain)[0] == ("x", "x", "y", "y") and ledger.layout_for(fcdp)[0] == simulated
+    assert classify("all_reduce", {}, (0, 1, 2, 3), 0, one_machine)[0] == INTRA
+    assert classify("all_reduce", {}, (0, 1, 2, 3), 0, simulated)[0] == INTER
+
+
+def test_plain_engines_count_by_their_own_layout_whatever_the_build_order():
+    """A plain ZeRO-3 engine built after an FCDP engine that simulates 2 nodes on one machine counted its
+    reduce-scatter as inter-node (the FCDP engine's layout had become the process's); one built before did
+    not. Each engine now classifies its collectives by its own layout: plain engines by the launcher's
+    (one machine here: nothing inter-node), the FCDP engine by its topology."""
+    for rank in run_ranks("integrations:plain_around_fcdp", 4):
+        before, fcdp, after = rank["before"], rank["fcdp"], rank["after"]
+        assert after == before, (before, after)
+        assert before["inter_node_grad_reduce_bytes"] == before["inter_node_allgather_bytes"] == 0
+        assert before["intra_node_grad_reduce_bytes"] > 0 and before["node_layout_source"].startswith("LOCAL_WORLD_SIZE")
+        assert fcdp["grad_reduce"] == "hierarchical" and fcdp["inter_node_grad_reduce_bytes"] > 0
+
+
 def test_each_engine_counts_its_own_collectives():
     """Two engines in one process (a trained policy and an optimizer-less ZeRO-3 reference), counted
     without enable_comm_counting, first both plain ZeRO-3, then with an FCDP policy: in each window only
     the engine that ran gains bytes, and its gains are all the process's data collectives in that window."""
-    for rank in run_ranks("integrations:two_engines_attribution", 4, policy_fcdp=(False, True)):
+    for rank in run_ranks("integrations:two_engines_attribution", 4, policy_fcdp=(False, True, "auto")):
         assert rank["installed"], "the startup hook did not install FCDP (reinstall: pip install -e .)"
-        for policy_fcdp, r in zip((False, True), rank["runs"]):
+        for policy_fcdp, r in zip((False, True, "auto"), rank["runs"]):
             assert r["classes"] == ["FCDPStage3" if policy_fcdp else "CountedStage3", "CountedZeROOffload"]
             for w in r["windows"]:
                 ref, pol = w["reference_forward"], w["policy_step"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fcdp_deepspeed.tools.cluster import EmulatedCluster, namespaces_available
+from workers.common import ZERO3_GRADS
 from fcdp_deepspeed.tools.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,7 @@ def _launch_both_nodes(cluster: EmulatedCluster, tmp: Path, cfg: dict, use_fcdp_
 def test_deepspeed_launcher_on_two_namespace_nodes(tmp_path):
     base = json.loads("\n".join(l.split("//")[0] for l in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
     plain_cfg = {k: v for k, v in base.items() if k != "fcdp"}
+    base["fcdp"] = {**base["fcdp"], **ZERO3_GRADS}  # bit-identical losses: DeepSpeed's gradient path
     with EmulatedCluster(2, rate_mbit=None, tag="t") as cluster:
         plain, plain_bytes = _launch_both_nodes(cluster, tmp_path, plain_cfg, False, tmp_path / "plain_out.json")
         fcdp, fcdp_bytes = _launch_both_nodes(cluster, tmp_path, base, True, tmp_path / "fcdp_out.json")

@@ -79,6 +79,8 @@ class FCDPRuntime:
         """Collective over the DP group: attach, allocate the agreed slots, wrap every gather."""
         params = [p for p in self.module.parameters() if hasattr(p, "ds_id")]
         self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
+        # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
+        self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
         cache = self.attachment.cache
         self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
         self.allocation.plan_and_allocate()

@@ -17,14 +17,15 @@ import torch
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.runtime.fetch import count_gathers
-from fcdp_deepspeed.stats import LEDGER, CommCounters
+from fcdp_deepspeed.stats import LEDGER, CommCounters, LayoutKind
 from fcdp_deepspeed.topology import guess_node_map
 
 
 def count_plain_engine(module: torch.nn.Module, comm: CommCounters, ranks_per_node: Optional[int]) -> None:
     """Start counting collectives by link class (if nothing did yet) and attribute ``module``'s gathers to ``comm``."""
     node_of_rank, source = guess_node_map(os.environ, dist.get_world_size(), ranks_per_node)
-    LEDGER.install(node_of_rank, source, guessed=True)
+    LEDGER.install(node_of_rank, source, kind=LayoutKind.GUESS)
+    comm.node_of_rank, comm.layout_source, comm.follows_process = node_of_rank, source, True
     for param in module.parameters():
         if hasattr(param, "ds_id"):
             count_gathers(param, comm)

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
-FCDP_BLOCKS = {"fcdp": {}, "fcdp_node": {"grad_accumulation": "node"}}
+FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"}}
 
 
 @dataclass

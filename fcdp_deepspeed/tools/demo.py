@@ -17,10 +17,12 @@ import torch
 from fcdp_deepspeed.tools.launch import run_local
 
 #: (job, LoRA rank, gradient accumulation, engines: name -> extra fcdp keys or None for ZeRO-3)
+#: "FCDP" keeps DeepSpeed's gradient path (the node cache alone); "FCDP+node" adds the gradient modes.
+ZERO3_GRADS = {"grad_reduce": "flat", "grad_accumulation": "rank"}
 JOBS = (
-    ("full fine-tune", 0, 1, {"ZeRO-3": None, "FCDP": {}}),
-    ("LoRA (frozen base)", 4, 1, {"ZeRO-3": None, "FCDP": {}}),
-    ("full, GA 4", 0, 4, {"ZeRO-3": None, "FCDP": {}, "FCDP+node": {"grad_accumulation": "node"}}),
+    ("full fine-tune", 0, 1, {"ZeRO-3": None, "FCDP": ZERO3_GRADS}),
+    ("LoRA (frozen base)", 4, 1, {"ZeRO-3": None, "FCDP": ZERO3_GRADS}),
+    ("full, GA 4", 0, 4, {"ZeRO-3": None, "FCDP": ZERO3_GRADS, "FCDP+node": {"grad_accumulation": "node"}}),
 )
 KEYS = ("inter_node_allgather_bytes", "inter_node_grad_reduce_bytes")
 

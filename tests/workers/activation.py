@@ -12,7 +12,7 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed.tools import toy
-from workers.common import LogCapture
+from workers.common import ZERO3_GRADS, LogCapture
 
 
 def _init() -> bool:
@@ -28,7 +28,7 @@ def low_stage_refused(stages: tuple = (0, 1, 2)) -> dict:
 
     out = {"installed": _init(), "initialize": {}, "pipeline": {}}
     for stage in stages:
-        cfg = toy.ds_config({"enabled": True}, regime="default")
+        cfg = toy.ds_config({"enabled": True, **ZERO3_GRADS}, regime="default")
         cfg["zero_optimization"] = {"stage": stage}
         model = toy.ToyModel(16, 2)
         out["initialize"][stage] = _error_of(lambda: deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -56,7 +56,7 @@ def nothing_cached(case: str) -> dict:
     """
     installed = _init()
     log = LogCapture()
-    block = {"enabled": True, "ranks_per_node": 2, **({"host_budget": 0} if case == "budget" else {})}
+    block = {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS, **({"host_budget": 0} if case == "budget" else {})}
     cfg = toy.ds_config(block, regime="large")
     if case == "persistent":
         del cfg["zero_optimization"]["stage3_param_persistence_threshold"]

@@ -18,7 +18,7 @@ import fcdp_deepspeed
 from fcdp_deepspeed import grads
 from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.tools import toy
-from workers.common import DTYPES, setup
+from workers.common import DTYPES, LogCapture, setup
 
 
 def sabotage(kind: str) -> None:
@@ -40,6 +40,9 @@ def sabotage(kind: str) -> None:
             return original_reduce(self, params, tensors)
 
         grads.GradReducer.reduce = reduce
+    elif kind == "no_late_buffer":  # decide the buffer at build time only (accumulation steps set later are missed)
+        from fcdp_deepspeed.stage3 import CountedStage3, FCDPStage3
+        FCDPStage3.set_gradient_accumulation_boundary = CountedStage3.set_gradient_accumulation_boundary
     elif kind:
         raise ValueError(kind)
 
@@ -196,6 +199,8 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
                 engine = build(sc, _config(sc, block))
             finally:
                 os.environ.pop("FCDP_INJECT_FAULT", None)
+            if sc.get("set_ga"):  # as Megatron-DeepSpeed does after initialize
+                engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * sc["set_ga"])
             if sc.get("overflow_at"):
                 inject_overflow(engine, sc["overflow_at"])
             res = train(engine, sc)
@@ -226,19 +231,24 @@ def checkpoint_resume(ckpt_dir: str, ranks_per_node: int = 2, grad_accum: int = 
     return out
 
 
-def refusals(cases: list[dict]) -> list[str]:
-    """``deepspeed.initialize`` with each case's config; the error each one raised ("ok" if none)."""
+def refusals(cases: list[dict]) -> list[dict]:
+    """``deepspeed.initialize`` with each case's config: the error it raised ("ok" if none), the resolved
+    gradient modes and the plan lines logged while building it."""
     setup(2)
+    log = LogCapture()
     out = []
     for case in cases:
         block = {"enabled": True, "ranks_per_node": 2, **case.get("fcdp", {})}
         cfg = toy.ds_config(block, **case.get("zero", {}))
         cfg.update(case.get("top", {}))
+        first = len(log.messages)
         try:
-            toy.build_engine(cfg)
-            out.append("ok")
+            stats = fcdp_deepspeed.get_stats(toy.build_engine(cfg))
+            row = {"error": "ok", "modes": [stats.get("grad_reduce"), stats.get("grad_accumulation")]}
         except Exception as err:  # noqa: BLE001 - the test reads the message
-            out.append(f"{type(err).__name__}: {err}")
+            row = {"error": f"{type(err).__name__}: {err}", "modes": None}
+        row["plan"] = [m for m in log.messages[first:] if m.startswith("fcdp plan:")]
+        out.append(row)
     return out
 
 

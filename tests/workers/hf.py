@@ -37,7 +37,7 @@ def trainer_stats_runs(ds_config: str, steps: int = 4) -> dict:
 
     import fcdp_deepspeed
     from fcdp_deepspeed.config import load_ds_config
-    from workers.common import LogCapture
+    from workers.common import ZERO3_GRADS, LogCapture
 
     example = _example()
     installed = fcdp_deepspeed.is_installed()
@@ -87,7 +87,7 @@ def trainer_stats_runs(ds_config: str, steps: int = 4) -> dict:
                    monitor_csv=_read(os.path.join(out_dir, "run", "FCDP_inter_node_allgather_bytes.csv")))
         return out
 
-    block = {"enabled": True, "ranks_per_node": 2, "log_interval": 2}
+    block = {"enabled": True, "ranks_per_node": 2, "log_interval": 2, **ZERO3_GRADS}
     return {"installed": installed, "enabled": one_run(block), "plain": one_run(None),
             "opt_out": one_run(block, opt_out=True), "stage2": one_run(block, stage=2)}
 

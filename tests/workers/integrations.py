@@ -71,8 +71,10 @@ def two_engines_attribution(policy_fcdp: tuple = (False, True), steps: int = 2) 
     return {"installed": installed, "runs": [_policy_and_reference_windows(f, steps) for f in policy_fcdp]}
 
 
-def _policy_and_reference_windows(policy_fcdp: bool, steps: int) -> dict:
-    cfg = toy.ds_config(fcdp_block() if policy_fcdp else None, regime="large")
+def _policy_and_reference_windows(policy_fcdp, steps: int) -> dict:
+    """``policy_fcdp``: False (plain), True (FCDP, ZeRO-3's gradient path) or "auto" (FCDP, default gradient modes)."""
+    block = fcdp_block(ranks_per_node=2, grad_reduce="auto") if policy_fcdp == "auto" else fcdp_block()
+    cfg = toy.ds_config(block if policy_fcdp else None, regime="large")
     ref_cfg = {k: v for k, v in toy.ds_config(None, regime="large").items() if k != "optimizer"}
     torch.manual_seed(0)
     policy = toy.ToyModel(32, 4)
@@ -113,4 +115,29 @@ def _deltas(before: dict, after: dict) -> dict:
     b, a = before["policy"], after["policy"]
     out["process"] = {k[len("process_"):]: a[k] - b.get(k, 0) for k in a if k.startswith("process_")}
     out["layout"] = after["policy"]["node_layout_source"]
+    return out
+
+
+def plain_around_fcdp(steps: int = 2) -> dict:
+    """One machine of 4 ranks (torchrun's LOCAL_WORLD_SIZE=4) with an FCDP engine that simulates 2 nodes x 2
+    (``fcdp.ranks_per_node``) and default gradient modes, and two plain ZeRO-3 engines of the same model,
+    built before and after it; each trained in turn. Per engine: its gradient and gather bytes by link."""
+    import os
+
+    from deepspeed import comm as dist
+
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    fcdp_deepspeed.install()
+    before = toy.build_engine(toy.ds_config(None, regime="large", grad_accum=2))
+    fcdp = toy.build_engine(toy.ds_config({"enabled": True, "ranks_per_node": 2}, regime="large", grad_accum=2))
+    after = toy.build_engine(toy.ds_config(None, regime="large", grad_accum=2))
+    keys = ("inter_node_grad_reduce_bytes", "intra_node_grad_reduce_bytes", "inter_node_allgather_bytes",
+            "intra_node_allgather_bytes", "node_layout_source", "grad_reduce")
+    out = {}
+    for name, engine in (("before", before), ("fcdp", fcdp), ("after", after)):
+        toy.train(engine, steps)
+        stats = fcdp_deepspeed.get_stats(engine)
+        out[name] = {k: stats.get(k) for k in keys}
     return out
