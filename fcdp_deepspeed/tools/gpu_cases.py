@@ -96,12 +96,15 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
     node = lambda **kw: {"enabled": True, "ranks_per_node": per_node, **kw}  # noqa: E731
     # [Note: hpZ last] after an hpZ engine, FCDP refuses later models as partitioned with an hpZ
     # group (found by running this case on gloo); nothing FCDP runs after it here.
-    variants = {"zero3": (None, {}), "host": (node(cache_device="host"), {}),
-                "device": (node(cache_device="device"), {}),
+    flat = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's summation order: bit-identical
+    variants = {"zero3": (None, {}), "host": (node(cache_device="host", **flat), {}),
+                "device": (node(cache_device="device", **flat), {}),
                 "zero3_ga2": (None, {"grad_accum": 2}),
-                "hierarchical_ga2": (node(cache_device="host", grad_reduce="hierarchical"), {"grad_accum": 2}),
+                "hierarchical_ga2": (node(cache_device="host", grad_reduce="hierarchical", grad_accumulation="rank"),
+                                     {"grad_accum": 2}),
                 "node_ga2": (node(cache_device="host", grad_accumulation="node"), {"grad_accum": 2}),
-                "zero3_bf16": (None, {"dtype": "bf16"}), "host_bf16": (node(cache_device="host"), {"dtype": "bf16"}),
+                "zero3_bf16": (None, {"dtype": "bf16"}),
+                "host_bf16": (node(cache_device="host", **flat), {"dtype": "bf16"}),
                 "hpz": (None, {"hpz": per_node})}
     out = {}
     for name, (block, kw) in variants.items():
