@@ -30,7 +30,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import grads
+from fcdp_deepspeed import ds_compat, grads
 from fcdp_deepspeed.config import (check_ds_config_compatible, check_grad_modes_compatible, load_ds_config,
                                    parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -39,7 +39,7 @@ from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-assert hasattr(DeepSpeedZeroOptimizer_Stage3, _AVG_SCATTER), "DeepSpeed's stage-3 gradient path moved"
+assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
 
 
 def _block_enabled(kwargs: dict) -> bool:
@@ -104,17 +104,17 @@ class FCDPStage3(CountedStage3):
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                param_names=self.param_names, comm=self.fcdp_comm).activate()
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
         self.fcdp_grads = grads.build_reducer(fcdp_config, self.fcdp.topology, self.dp_process_group,
                                               [p for p in params if p.requires_grad],
                                               self.gradient_accumulation_dtype,
-                                              self.is_gradient_accumulation_boundary,
+                                              ds_compat.boundary_reader(self),
                                               accumulation_steps=self.gradient_accumulation_steps)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
         super().independent_gradient_partition_epilogue()
-        if self.fcdp_grads is not None and self.is_gradient_accumulation_boundary():
+        if self.fcdp_grads is not None and ds_compat.is_boundary(self):
             self._flush_node_buffer()
 
     def step(self, closure=None):

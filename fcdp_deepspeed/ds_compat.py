@@ -1,0 +1,67 @@
+"""The DeepSpeed internals that differ between the supported releases, one function per difference.
+
+Every function is feature-detected (no version numbers): it works on whichever release is installed,
+and the release list in each docstring says where each branch was seen. Internals that are the same
+on every supported release (the mangled ``__avg_scatter_grads``, ``partition_grads``, the
+invalidation hooks, ``Init._partition_param_sec``/``_aligned_size``, the hpZ secondary fields,
+``reduce_scatter_coalesced`` in the stage-3 module, ``micro_step_id``, ``reduce_and_partition_stream``,
+``ds_config=``) are used directly by the core and checked once by :func:`missing_internals`.
+The supported releases are listed in ``fcdp_deepspeed_autoload.TESTED_DEEPSPEED_VERSIONS``;
+docs/deepspeed-releases.md has the table.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def is_boundary(optimizer: Any) -> bool:
+    """Whether the current micro-step ends a gradient-accumulation window.
+
+    0.19: ``is_gradient_accumulation_boundary()`` is a method (set via
+    ``set_gradient_accumulation_boundary``). 0.16-0.18: a plain bool attribute that the engine assigns
+    before every backward.
+    [Note: read it at call time; a bool captured at construction would be stale for the whole run.]
+    """
+    flag = optimizer.is_gradient_accumulation_boundary
+    return bool(flag()) if callable(flag) else bool(flag)
+
+
+def boundary_reader(optimizer: Any) -> Callable[[], bool]:
+    """A zero-argument callable returning :func:`is_boundary` of ``optimizer`` at call time."""
+    return lambda: is_boundary(optimizer)
+
+
+def param_names(optimizer: Any, module: torch.nn.Module) -> dict:
+    """``{param: qualified name}`` of the model the stage-3 optimizer partitions.
+
+    0.18-0.19: the engine passes ``param_names`` to the optimizer, which keeps it as
+    ``self.param_names``. 0.16-0.17: the optimizer has no such attribute; the engine builds the same
+    mapping from ``module.named_parameters()``, so build it here the same way.
+    """
+    names = getattr(optimizer, "param_names", None)
+    return dict(names) if names is not None else {p: n for n, p in module.named_parameters()}
+
+
+#: (module, class or None) -> attributes the core touches directly; identical on every supported release.
+_SHARED_INTERNALS = {
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): (
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "partition_grads", "_unflatten_partitioned_parameters",
+        "invalidate_secondary_tensor", "_post_step", "_pre_step", "checkpoint_event_epilogue", "zero_grad",
+        "independent_gradient_partition_epilogue", "reduce_ready_partitions_and_remove_grads"),
+    ("deepspeed.runtime.zero.stage3", None): ("reduce_scatter_coalesced", ),
+    ("deepspeed.runtime.zero.partition_parameters", "Init"): ("_partition_param_sec", "_aligned_size"),
+}
+
+
+def missing_internals() -> list[str]:
+    """Dotted names of the shared internals absent from the installed DeepSpeed (empty when all are there)."""
+    import importlib
+    missing = []
+    for (module_name, cls), attrs in _SHARED_INTERNALS.items():
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, cls) if cls else owner
+        prefix = f"{module_name}.{cls}" if cls else module_name
+        missing += [f"{prefix}.{a}" for a in attrs if not hasattr(owner, a)]
+    return missing
