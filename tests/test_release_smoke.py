@@ -70,3 +70,35 @@ def test_config_refusals(smoke):
     assert tree.startswith("FCDPConfigError") and "fcdp.grad_reduce = 'tree'" in tree, tree
     assert no_reduce_scatter.startswith("FCDPConfigError") and "reduce_scatter = false" in no_reduce_scatter, \
         no_reduce_scatter
+
+
+class _Boundary:
+    """The two shapes of DeepSpeed's boundary flag: a method (0.19) or a plain attribute (0.16-0.18)."""
+
+    def __init__(self, as_method: bool, value: bool) -> None:
+        self.value = value
+        if not as_method:
+            self.is_gradient_accumulation_boundary = value
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.value
+
+
+@pytest.mark.parametrize("as_method", [True, False], ids=["method", "attribute"])
+def test_boundary_is_read_at_call_time(as_method):
+    opt = _Boundary(as_method, True)
+    read = ds_compat.boundary_reader(opt)
+    assert read() is True
+    if as_method:
+        opt.value = False
+    else:
+        opt.is_gradient_accumulation_boundary = False  # what the 0.16-0.18 engine does before a backward
+    assert read() is False and ds_compat.is_boundary(opt) is False
+
+
+def test_param_names_from_the_optimizer_or_the_module():
+    module = torch.nn.Linear(2, 2)
+    names = {p: n for n, p in module.named_parameters()}
+    assert ds_compat.param_names(object(), module) == names  # 0.16-0.17: no optimizer.param_names
+    opt = type("Opt", (), {"param_names": {module.weight: "given"}})()
+    assert ds_compat.param_names(opt, module) == {module.weight: "given"}
