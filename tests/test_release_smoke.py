@@ -102,3 +102,13 @@ def test_param_names_from_the_optimizer_or_the_module():
     assert ds_compat.param_names(object(), module) == names  # 0.16-0.17: no optimizer.param_names
     opt = type("Opt", (), {"param_names": {module.weight: "given"}})()
     assert ds_compat.param_names(opt, module) == {module.weight: "given"}
+
+
+def test_ci_checks_every_listed_release():
+    """The gate lists exactly the releases CI runs: the main suite's plus the compatibility stage's."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    stage = re.search(r"for version in ([0-9. ]+); do", (root / ".ci" / "run").read_text()).group(1).split()
+    main = re.search(r'DEEPSPEED_PIN = "deepspeed==([0-9.]+)"', (root / "setup.py").read_text()).group(1)
+    assert sorted(stage + [main]) == sorted(TESTED_DEEPSPEED_VERSIONS), (stage, main)
