@@ -44,6 +44,13 @@ def param_names(optimizer: Any, module: torch.nn.Module) -> dict:
     return dict(names) if names is not None else {p: n for n, p in module.named_parameters()}
 
 
+#: Arguments of ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` after the bucket's parameters.
+#: 0.17-0.19: ``(params_to_reduce, communication_data_type)``; 0.16: ``(params_to_reduce)`` (it reads
+#: ``self.communication_data_type`` itself). FCDP's override only needs the parameters, so it passes
+#: the rest through unchanged (``FCDPStage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads``).
+AVG_SCATTER_ARGS = {"0.16": (), "0.17-0.19": ("communication_data_type", )}
+
+
 #: (module, class or None) -> attributes the core touches directly; identical on every supported release.
 _SHARED_INTERNALS = {
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"): (

@@ -124,9 +124,10 @@ class FCDPStage3(CountedStage3):
         return super().step(closure)
 
     # -- gradient path (grads.py) ----------------------------------------------------------------
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]
         with grads.bucket(self.fcdp_grads, params_to_reduce):
-            return getattr(super(), _AVG_SCATTER)(params_to_reduce, communication_data_type)
+            return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
 
     def partition_grads(self, params_to_release, grad_partitions):
         reducer = self.fcdp_grads

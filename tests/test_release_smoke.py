@@ -11,6 +11,7 @@ from conftest import run_ranks
 from fcdp_deepspeed import ds_compat
 from fcdp_deepspeed_autoload import TESTED_DEEPSPEED_VERSIONS
 
+pytestmark = pytest.mark.release
 RTOL = 1e-5
 
 
