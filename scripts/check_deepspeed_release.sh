@@ -30,6 +30,9 @@ echo "venv ready in $((SECONDS - start)) s"
 export DS_ACCELERATOR=cpu
 # DeepSpeed JIT-builds its CPU shm comm op at init_distributed: build it once here, in this venv (see test.sh).
 export TORCH_EXTENSIONS_DIR="$PWD/$venv/torch_extensions"
+# A build killed earlier (timeout, Ctrl-C) leaves its file lock behind and every later build waits on it
+# forever; nothing else builds into this venv's folder, so a lock here is always stale.
+find "$TORCH_EXTENSIONS_DIR" -name lock -delete 2>/dev/null || true
 timeout 900 nice -n 5 "$py" -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null 2>&1 \
     || echo "warning: prebuilding DeepSpeed's shm_comm op failed; the first distributed test will build it" >&2
 echo "shm op ready at $((SECONDS - start)) s"
