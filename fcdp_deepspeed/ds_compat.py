@@ -1,8 +1,9 @@
-"""The DeepSpeed internals that differ between the supported releases, one function per difference.
+"""The DeepSpeed internals that differ between the supported releases, one entry per difference.
 
-Every function is feature-detected (no version numbers): it works on whichever release is installed,
-and the release list in each docstring says where each branch was seen. Internals that are the same
-on every supported release (the mangled ``__avg_scatter_grads``, ``partition_grads``, the
+Differences the core must branch on are functions, feature-detected (no version numbers): they work
+on whichever release is installed, and each docstring says where each branch was seen. Differences
+absorbed without a branch are documented constants (``AVG_SCATTER_ARGS``, ``REDUCED_PARTITION_DTYPE``).
+Internals that are the same on every supported release (``__avg_scatter_grads``, ``partition_grads``, the
 invalidation hooks, ``Init._partition_param_sec``/``_aligned_size``, the hpZ secondary fields,
 ``reduce_scatter_coalesced`` in the stage-3 module, ``micro_step_id``, ``reduce_and_partition_stream``,
 ``ds_config=``) are used directly by the core and checked once by :func:`missing_internals`.
@@ -50,6 +51,14 @@ def param_names(optimizer: Any, module: torch.nn.Module) -> dict:
 #: the rest through unchanged (``FCDPStage3._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads``).
 AVG_SCATTER_ARGS = {"0.16": (), "0.17-0.19": ("communication_data_type", )}
 
+
+#: The dtype ``__avg_scatter_grads`` casts the reduced partitions to (when the communication dtype differs):
+#: 0.16-0.18 the parameters' dtype (``self.dtype``), 0.19 ``gradient_accumulation_dtype``. The gradient
+#: modes' reducer returns the accumulation dtype either way and DeepSpeed's cast runs on it, so nothing
+#: here needs a branch; with bf16 parameters and bf16 communication on 0.16-0.18, ``partition_grads``
+#: rounds the fp32 partitions to bf16 as it copies them (ZeRO-3 rounds them before). fp32 runs are
+#: unaffected (the release smoke runs fp32).
+REDUCED_PARTITION_DTYPE = {"0.16-0.18": "dtype", "0.19": "gradient_accumulation_dtype"}
 
 #: (module, class or None) -> attributes the core touches directly; identical on every supported release.
 _SHARED_INTERNALS = {

@@ -157,7 +157,7 @@ class FCDPStage3(CountedStage3):
         if not reducer.buffer.dirty:
             return
         # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
-        # DeepSpeed 0.19.8 refuses with reduce_scatter, the only path the reducer serves) and for expert-parallel
+        # DeepSpeed 0.16.9-0.19.8 refuse with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY), get_accelerator().stream(self.reduce_and_partition_stream):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
