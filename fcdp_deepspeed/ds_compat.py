@@ -45,6 +45,22 @@ def param_names(optimizer: Any, module: torch.nn.Module) -> dict:
     return dict(names) if names is not None else {p: n for n, p in module.named_parameters()}
 
 
+def zenflow_config(zero_config: Any) -> Any:
+    """The ``zero_optimization.zenflow`` block, or ``None``. 0.17-0.19 have ZenFlow (FCDP refuses it);
+    0.16's ZeRO config has no such field, so there is nothing to refuse."""
+    return getattr(zero_config, "zenflow", None)
+
+
+def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
+    """``deepspeed.comm.all_gather_object`` where it exists (0.17-0.19); 0.16's ``deepspeed.comm`` has
+    none, and there the call goes to ``torch.distributed``, which is what DeepSpeed's backend calls too."""
+    from deepspeed import comm as dist
+    gather = getattr(dist, "all_gather_object", None)
+    if gather is None:
+        gather = torch.distributed.all_gather_object
+    gather(object_list, obj, group=group)
+
+
 #: Arguments of ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` after the bucket's parameters.
 #: 0.17-0.19: ``(params_to_reduce, communication_data_type)``; 0.16: ``(params_to_reduce)`` (it reads
 #: ``self.communication_data_type`` itself). FCDP's override only needs the parameters, so it passes
