@@ -25,7 +25,7 @@ import sys
 #: Set to ``0`` (or ``false``/``no``/``off``) to keep the startup hook from installing FCDP.
 AUTOLOAD_ENV = "FCDP_AUTOLOAD"
 #: DeepSpeed releases the hooks were verified against (parity and traffic tests).
-TESTED_DEEPSPEED_VERSIONS = ("0.16.9", "0.17.6", "0.18.9", "0.19.8")
+TESTED_DEEPSPEED_VERSIONS = ("0.17.6", "0.18.9", "0.19.8")
 #: Set to 1 to run on an untested DeepSpeed release anyway (at your own risk).
 ALLOW_UNTESTED_ENV = "FCDP_ALLOW_UNTESTED_DEEPSPEED"
 
