@@ -18,6 +18,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
+from fcdp_deepspeed import ds_compat
+
 FCDP_KEY = "fcdp"
 #: ``fcdp.log_interval`` when neither it nor a finite ``steps_per_print`` is set.
 DEFAULT_LOG_INTERVAL = 10
@@ -301,7 +303,7 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
                                                       zero.offload_param.device)) == "nvme":
         problems.append("zero_optimization.offload_param.device = nvme is not supported with fcdp. "
                         "Fix: use \"cpu\" or \"none\"")
-    if zero.zenflow is not None:
+    if ds_compat.zenflow_config(zero) is not None:
         problems.append("zero_optimization.zenflow is not supported with fcdp (it installs its own stage-3 hooks). "
                         "Fix: remove the zenflow block")
     if zero.offload_optimizer is not None and getattr(zero.offload_optimizer, "super_offload", False):

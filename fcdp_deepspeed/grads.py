@@ -505,7 +505,7 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
     reducer, or ``None`` for DeepSpeed's own path (flat, or one node / one rank per node, where both
     stages would be one). With one micro-step per optimizer step every micro-step is a boundary, so the
     node buffer is only measured here; :meth:`GradReducer.plan_buffer` allocates it at the first
-    micro-step that is not a boundary (``FCDPStage3.set_gradient_accumulation_boundary``)."""
+    micro-step that is not a boundary (``FCDPStage3._plan_buffer_if_window_grew``)."""
     def resolve(fit: Optional[BufferFit] = None) -> GradPlan:
         return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, topo.num_nodes, topo.ranks_per_node,
                                  accumulation_steps, path_blockers, accumulation_blockers, fit)

@@ -24,8 +24,8 @@ goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_gra
 reducer's copy/add/skip decision under node accumulation; the end of the boundary backward flushes
 buffered window sums; ``_pre_step``/``zero_grad`` open a new accumulation window. The modes that run
 are resolved once per engine (``plan.py``, logged by rank 0) when the topology is known, in ``_attach``;
-``set_gradient_accumulation_boundary`` allocates the node buffer at the first window of more than one
-micro-step when the accumulation steps changed after initialize.
+the first bucket of the first window of more than one micro-step allocates the node buffer when the
+accumulation steps changed after initialize.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import device, grads, strict_device
+from fcdp_deepspeed import device, ds_compat, grads, strict_device
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -43,7 +43,7 @@ from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-assert hasattr(DeepSpeedZeroOptimizer_Stage3, _AVG_SCATTER), "DeepSpeed's stage-3 gradient path moved"
+assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
 
 
 def _block_enabled(kwargs: dict) -> bool:
@@ -128,34 +128,18 @@ class FCDPStage3(CountedStage3):
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                param_names=self.param_names, comm=self.fcdp_comm).activate()
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
-            self.gradient_accumulation_dtype, self.is_gradient_accumulation_boundary,
+            self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config))
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """The engine says, at the start of every backward, whether it ends the window. The first
-        window of more than one micro-step (Megatron sets the accumulation steps after initialize)
-        allocates the node buffer: every rank starts that backward together, so its agreement
-        all-reduce is safe here; a window already under way finishes per rank (its partitions hold
-        micro-steps DeepSpeed added)."""
-        super().set_gradient_accumulation_boundary(is_boundary)
-        reducer = self.fcdp_grads
-        if (not is_boundary and reducer is not None and reducer.node_accumulation and not reducer.buffer_planned
-                and self.micro_step_id == 0):
-            with self._attributed():
-                reducer.plan_buffer()
-            if dist.get_rank() == 0:
-                logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "
-                            f"buffer allocated now ({fmt_bytes(reducer.buffer.nbytes)}/rank {reducer.buffer.device})")
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
         super().independent_gradient_partition_epilogue()
-        if self.fcdp_grads is not None and self.is_gradient_accumulation_boundary():
+        if self.fcdp_grads is not None and ds_compat.is_boundary(self):
             self._flush_node_buffer()
 
     def step(self, closure=None):
@@ -165,9 +149,28 @@ class FCDPStage3(CountedStage3):
         return super().step(closure)
 
     # -- gradient path (grads.py) ----------------------------------------------------------------
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, communication_data_type):
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]
+        self._plan_buffer_if_window_grew()
         with grads.bucket(self.fcdp_grads, params_to_reduce):
-            return getattr(super(), _AVG_SCATTER)(params_to_reduce, communication_data_type)
+            return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
+
+    def _plan_buffer_if_window_grew(self) -> None:
+        """The first bucket of the first window of more than one micro-step allocates the node buffer when
+        build time saw one micro-step per window (Megatron sets the accumulation steps after initialize).
+        Every rank reduces its first bucket together, so the agreement all-reduce is safe here; checked at
+        the bucket rather than where the engine sets the boundary flag, which is a method call in 0.19 and
+        an attribute write in 0.17/0.18 (``ds_compat.is_boundary``). A window already under way finishes
+        per rank (its partitions hold micro-steps DeepSpeed added)."""
+        reducer = self.fcdp_grads
+        if (reducer is None or not reducer.node_accumulation or reducer.buffer_planned or self.micro_step_id != 0
+                or ds_compat.is_boundary(self)):
+            return
+        with self._attributed():
+            reducer.plan_buffer()
+        if dist.get_rank() == 0:
+            logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "
+                        f"buffer allocated now ({fmt_bytes(reducer.buffer.nbytes)}/rank {reducer.buffer.device})")
 
     def partition_grads(self, params_to_release, grad_partitions):
         reducer = self.fcdp_grads
@@ -197,7 +200,7 @@ class FCDPStage3(CountedStage3):
         if not reducer.buffer.dirty:
             return
         # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
-        # DeepSpeed 0.19.8 refuses with reduce_scatter, the only path the reducer serves) and for expert-parallel
+        # DeepSpeed 0.16.9-0.19.8 refuse with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
         stream = self.reduce_and_partition_stream
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream):

@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from deepspeed import comm as dist
 
+from fcdp_deepspeed import ds_compat
+
 #: Explicit node identity (any string), e.g. for simulations with several launchers on one host.
 NODE_ID_ENV = "FCDP_NODE_ID"
 #: Launcher variables that carry the node index, in priority order.
@@ -174,7 +176,7 @@ def discover_node_map(ranks_per_node: Optional[int] = None, dp_group: Any = None
                             f"Fix: set ranks_per_node to a divisor of {world}, or remove it to detect the layout.")
     ident = node_identity_from_env(os.environ, rank, ranks_per_node)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group)))
+    ds_compat.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group)))
     node_of_rank = [""] * world
     for r, node_id, _, _ in gathered:
         node_of_rank[r] = node_id

@@ -81,6 +81,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     from deepspeed.utils import groups
 
     import fcdp_deepspeed
+    from fcdp_deepspeed import ds_compat
     from fcdp_deepspeed.tools import toy
     from fcdp_deepspeed.tools.cluster import HEADER_BYTES
     from fcdp_deepspeed.stats import LEDGER
@@ -119,7 +120,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "peak_mem": get_accelerator().max_memory_allocated(),
         }
         everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        ds_compat.all_gather_object(everyone, mine)
         step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
         step_time = statistics.median(step_times)
         samples = s.micro_batch * s.grad_accum * dist.get_world_size()

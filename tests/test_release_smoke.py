@@ -1,0 +1,115 @@
+"""The DeepSpeed release smoke subset (scripts/check_deepspeed_release.sh runs this file on each
+supported release; the main suite runs it on the shared venv's release). One 2 nodes x 2 process
+group: FCDP vs plain ZeRO-3 bit-identical for full fine-tuning and LoRA with the inter-node gather
+bytes counted, the gradient modes within 1e-5, config refusals, and the startup hook."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from fcdp_deepspeed import ds_compat
+from fcdp_deepspeed_autoload import TESTED_DEEPSPEED_VERSIONS
+
+pytestmark = pytest.mark.release
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return run_ranks("release_smoke:smoke", 4, timeout=600)
+
+
+def step_deltas(run, key: str) -> list[int]:
+    s = run.step_stats
+    return [s[0][key]] + [b[key] - a[key] for a, b in zip(s, s[1:])]
+
+
+def test_release_is_listed_and_its_internals_are_present(smoke):
+    assert smoke[0]["deepspeed"].split("+")[0] in TESTED_DEEPSPEED_VERSIONS
+    assert ds_compat.missing_internals() == []
+
+
+def test_startup_hook_builds_fcdp_from_the_config_key_alone(smoke):
+    for r in smoke:
+        assert r["hook"] == {"installed": True, "optimizer": "FCDPStage3"}, r["hook"]
+
+
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_cache_bit_identical_and_inter_node_gathers_cut(smoke, name):
+    for r in smoke:
+        plain, fcdp = r["cache"][name]["plain"], r["cache"][name]["fcdp"]
+        assert fcdp.extra["optimizer_class"] == "FCDPStage3"
+        assert fcdp.losses == plain.losses, (plain.losses, fcdp.losses)
+        assert fcdp.stats["cache_hits"] > 0 and fcdp.stats["uncached_params"] == 0
+        p, f = (step_deltas(run, "inter_node_allgather_bytes") for run in (plain, fcdp))
+        bound = 0.55 if name == "full" else 0.05  # LoRA: only the adapters cross nodes after step 1
+        assert all(0 < fb <= bound * pb for pb, fb in zip(p[1:], f[1:])), (p, f)
+    plain_w, fcdp_w = smoke[0]["cache"][name]["plain"].weights, smoke[0]["cache"][name]["fcdp"].weights
+    assert plain_w and all(torch.equal(plain_w[k], fcdp_w[k]) for k in plain_w)
+
+
+@pytest.mark.parametrize("name", ["hier_ga2", "node_ga4", "lora_node_ga2"])
+def test_gradient_modes_within_1e5(smoke, name):
+    for r in smoke:
+        plain, fcdp = r["grads"][name]["plain"], r["grads"][name]["fcdp"]
+        assert fcdp.extra["optimizer_class"] == "FCDPStage3" and fcdp.stats["grad_delivered"] > 0
+        assert len(fcdp.losses) == len(plain.losses) > 0
+        for a, b in zip(plain.losses, fcdp.losses):
+            assert abs(a - b) <= RTOL * abs(a), (plain.losses, fcdp.losses)
+        for key, w in plain.weights.items():
+            assert (fcdp.weights[key] - w).norm().item() <= RTOL * max(w.norm().item(), 1e-12), key
+    node = smoke[0]["grads"]["node_ga4"]
+    # node accumulation: each step's gradients cross nodes once (ZeRO-3: 4 full reductions per step)
+    assert node["fcdp"].stats["grad_accumulated"] > 0
+    p, f = (step_deltas(node[mode], "inter_node_grad_reduce_bytes") for mode in ("plain", "fcdp"))
+    assert all(0 < fb <= 0.1 * pb for pb, fb in zip(p, f)), (p, f)
+
+
+def test_config_refusals(smoke):
+    tree, no_reduce_scatter = smoke[0]["refusals"]
+    assert tree.startswith("FCDPConfigError") and "fcdp.grad_reduce = 'tree'" in tree, tree
+    assert no_reduce_scatter.startswith("FCDPConfigError") and "reduce_scatter = false" in no_reduce_scatter, \
+        no_reduce_scatter
+
+
+class _Boundary:
+    """The two shapes of DeepSpeed's boundary flag: a method (0.19) or a plain attribute (0.16-0.18)."""
+
+    def __init__(self, as_method: bool, value: bool) -> None:
+        self.value = value
+        if not as_method:
+            self.is_gradient_accumulation_boundary = value
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.value
+
+
+@pytest.mark.parametrize("as_method", [True, False], ids=["method", "attribute"])
+def test_boundary_is_read_at_call_time(as_method):
+    opt = _Boundary(as_method, True)
+    read = ds_compat.boundary_reader(opt)
+    assert read() is True
+    if as_method:
+        opt.value = False
+    else:
+        opt.is_gradient_accumulation_boundary = False  # what the 0.16-0.18 engine does before a backward
+    assert read() is False and ds_compat.is_boundary(opt) is False
+
+
+def test_param_names_from_the_optimizer_or_the_module():
+    module = torch.nn.Linear(2, 2)
+    names = {p: n for n, p in module.named_parameters()}
+    assert ds_compat.param_names(object(), module) == names  # 0.16-0.17: no optimizer.param_names
+    opt = type("Opt", (), {"param_names": {module.weight: "given"}})()
+    assert ds_compat.param_names(opt, module) == {module.weight: "given"}
+
+
+def test_ci_checks_every_listed_release():
+    """The gate lists exactly the releases CI runs: the main suite's plus the compatibility stage's."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    stage = re.search(r"for version in ([0-9. ]+); do", (root / ".ci" / "run").read_text()).group(1).split()
+    main = re.search(r'DEEPSPEED_PIN = "deepspeed==([0-9.]+)"', (root / "setup.py").read_text()).group(1)
+    assert sorted(stage + [main]) == sorted(TESTED_DEEPSPEED_VERSIONS), (stage, main)
