@@ -90,15 +90,8 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
     """Collective over ``dp_group``: build the node layout, one cache entry per cacheable parameter,
     and retrofit the ``zero.Init`` instances that partitioned them (slots are allocated later)."""
     topo = build_topology(dp_group, config.ranks_per_node)
-<<<<<<< HEAD
-    LEDGER.install(topo.node_of_rank, topo.source)
-=======
     LEDGER.install(topo.node_of_rank, topo.source,
                    kind=LayoutKind.ENGINE_SETTING if config.ranks_per_node is not None else LayoutKind.DISCOVERED)
-    if topo.num_nodes == 1 and dist.get_rank() == 0:
-        logger.warning("fcdp: all data-parallel ranks are on one node; there is no inter-node traffic to save. "
-                       "Set fcdp.ranks_per_node to simulate several nodes.")
->>>>>>> gradfix
     attached = Attachment(topo, NodeCache(topo.rank_in_node, counters, checksums=config.verify_rate > 0))
     if topo.num_nodes == 1:
         # [Note: one node] The cache saves inter-node bytes only; on one node it would hold model/L per
