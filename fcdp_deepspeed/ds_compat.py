@@ -7,7 +7,7 @@ Internals that are the same on every supported release (``__avg_scatter_grads``,
 invalidation hooks, ``Init._partition_param_sec``/``_aligned_size``, the hpZ secondary fields,
 ``reduce_scatter_coalesced`` in the stage-3 module, ``micro_step_id``, ``reduce_and_partition_stream``,
 ``ds_config=``) are used directly by the core and checked once by :func:`missing_internals`.
-The supported releases are listed in ``fcdp_deepspeed_autoload.TESTED_DEEPSPEED_VERSIONS``;
+The supported releases are listed in ``fcdp_deepspeed.version_gate.TESTED_DEEPSPEED_VERSIONS``;
 docs/deepspeed-releases.md has the table.
 """
 from __future__ import annotations

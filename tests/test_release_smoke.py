@@ -9,7 +9,7 @@ import torch
 
 from conftest import run_ranks
 from fcdp_deepspeed import ds_compat
-from fcdp_deepspeed_autoload import TESTED_DEEPSPEED_VERSIONS
+from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS
 
 pytestmark = pytest.mark.release
 RTOL = 1e-5
