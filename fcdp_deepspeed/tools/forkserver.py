@@ -130,6 +130,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
+#: Servers kept at once (one per distinct rank environment; most sessions need one or two).
+MAX_SERVERS = 4
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
@@ -141,9 +143,12 @@ def server_for(env: Mapping[str, str]) -> Optional[ForkServer]:
         server = _servers.get(key)
         if server is not None and server.proc.poll() is None:
             return server
+        while len(_servers) >= MAX_SERVERS:  # [Note: memory] each holds torch and DeepSpeed (~0.5 GB): drop the oldest
+            _servers.pop(next(iter(_servers))).close()
         try:
             server = _servers[key] = ForkServer({k: v for k, v in env.items() if k not in PER_RANK})
         except (OSError, RuntimeError):
+            _servers.pop(key, None)
             return None
         return server
 
