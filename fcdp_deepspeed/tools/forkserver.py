@@ -10,7 +10,9 @@ own session (so ``os.killpg`` kills it and its children, as with ``start_new_ses
 stdout/stderr, its full environment, and runs the same ``_worker.main``. The server reaps the ranks
 and reports their exit codes as :class:`subprocess.Popen` would (negative: killed by that signal).
 
-``FCDP_FORKSERVER=0`` spawns every rank instead; cluster (network namespace) runs always spawn.
+``FCDP_FORKSERVER=0`` spawns every rank instead; cluster (network namespace) runs and ranks on an
+accelerator other than the CPU always spawn, and a server that has started a thread or CUDA refuses
+to fork (the rank is spawned, with a note on stderr).
 """
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ PRELOAD = ("torch", "deepspeed", "deepspeed.comm", "fcdp_deepspeed", "fcdp_deeps
 PRELOAD_ENV = "FCDP_FORKSERVER_PRELOAD"
 
 
-def enabled() -> bool:
-    return os.environ.get(FORKSERVER_ENV, "1").strip().lower() not in ("0", "false", "no", "off") \
-        and hasattr(os, "fork")
+def enabled(env: Mapping[str, str]) -> bool:
+    """Fork ranks with this environment? Only on the CPU accelerator: [Note: CUDA] a rank that is forked
+    must not inherit a CUDA context, and importing DeepSpeed for an accelerator may create one."""
+    return env.get(FORKSERVER_ENV, "1").strip().lower() not in ("0", "false", "no", "off") \
+        and env.get("DS_ACCELERATOR") == "cpu" and hasattr(os, "fork")
 
 
 class ForkedRank:
@@ -164,6 +168,16 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
 
 
+def _unsafe_to_fork() -> str:
+    """Why forking this server now could break the child ('' when it cannot)."""
+    import torch
+    if _threads() != 1:  # a lock held by another thread stays locked forever in the child
+        return f"the server runs {_threads()} threads"
+    if torch.cuda.is_initialized():  # a CUDA context does not survive fork
+        return "CUDA is initialized in the server"
+    return ""
+
+
 def _child(request: dict) -> None:
     """In the forked rank: become what ``python -m fcdp_deepspeed.tools._worker`` would be; never returns."""
     code = 1
@@ -180,6 +194,7 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         paths = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[0] = request["cwd"]  # what ``python -m`` puts first: the directory the rank starts in
         sys.path[1:1] = [p for p in paths if p not in sys.path]
         sys.argv = [sys.argv[0], *request["argv"]]
         import random
@@ -203,7 +218,6 @@ def _child(request: dict) -> None:
 
 
 def serve() -> None:
-    import signal
     for name in PRELOAD:
         __import__(name)
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
@@ -220,13 +234,13 @@ def serve() -> None:
             if not line:
                 break
             request = json.loads(line)
-            if _threads() != 1:
-                print(f"refused: the server runs {_threads()} threads; forking it is unsafe", flush=True)
+            why = _unsafe_to_fork()
+            if why:
+                print(f"refused: {why}", flush=True)
                 continue
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 _child(request)
             children.add(pid)
             print(f"pid {pid}", flush=True)

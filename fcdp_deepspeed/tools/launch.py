@@ -113,7 +113,7 @@ def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, c
                           "LOCAL_WORLD_SIZE": str(per_node)})
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
-            if cluster is None and forkserver.enabled():
+            if cluster is None and forkserver.enabled(e):
                 server = forkserver.server_for(e)
             log = open(workdir / f"rank{r}.log", "wb")
             argv = [sys.executable, "-m", "fcdp_deepspeed.tools._worker", target, str(workdir)]
