@@ -31,6 +31,9 @@ FORKSERVER_ENV = "FCDP_FORKSERVER"
 #: not at import: they do not pick the server. (PYTEST_CURRENT_TEST changes with every test.)
 PER_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE",
             "PYTEST_CURRENT_TEST")
+#: Starts every line of the server's protocol on its stdout (replies ``ready``/``pid N``/``refused: why``,
+#: reports ``exit PID CODE``); other lines are output of the modules it imports.
+MARK = "fcdp-forkserver: "
 PRELOAD = ("torch", "deepspeed", "deepspeed.comm", "fcdp_deepspeed", "fcdp_deepspeed.tools._worker")
 #: Comma-separated modules the server imports as well (``transformers`` for Hugging Face ranks). Part of
 #: the environment, so ranks that do not ask for them come from a server that never imported them.
@@ -79,13 +82,16 @@ class ForkServer:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            kind, _, rest = line.strip().partition(" ")
+            if not line.startswith(MARK):  # something a preloaded module printed
+                sys.stderr.write(line)
+                continue
+            kind, _, rest = line[len(MARK):].strip().partition(" ")
             with self.cond:
                 if kind == "exit":
                     pid, code = rest.split()
                     self.exits[int(pid)] = int(code)
                 else:
-                    self.replies.append(line.strip())
+                    self.replies.append(line[len(MARK):].strip())
                 self.cond.notify_all()
         with self.cond:
             self.dead = True
@@ -127,10 +133,11 @@ class ForkServer:
 
 
 def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan whose reaper never waits must not look alive forever)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
@@ -217,6 +224,11 @@ def _child(request: dict) -> None:
             os._exit(code)
 
 
+def _say(line: str) -> None:
+    sys.stdout.write(MARK + line + "\n")
+    sys.stdout.flush()
+
+
 def serve() -> None:
     for name in PRELOAD:
         __import__(name)
@@ -225,7 +237,7 @@ def serve() -> None:
             __import__(name.strip())
         except ImportError:  # the rank that needs it imports it (and reports it missing) itself
             pass
-    print("ready", flush=True)
+    _say("ready")
     children: set[int] = set()
     while True:
         readable, _, _ = select.select([sys.stdin], [], [], 0.05)
@@ -236,19 +248,19 @@ def serve() -> None:
             request = json.loads(line)
             why = _unsafe_to_fork()
             if why:
-                print(f"refused: {why}", flush=True)
+                _say(f"refused: {why}")
                 continue
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
                 _child(request)
             children.add(pid)
-            print(f"pid {pid}", flush=True)
+            _say(f"pid {pid}")
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 children.discard(pid)
-                print(f"exit {pid} {os.waitstatus_to_exitcode(status)}", flush=True)
+                _say(f"exit {pid} {os.waitstatus_to_exitcode(status)}")
     for pid in children:  # the client is gone: stop its ranks, as run_local's finally would
         try:
             os.killpg(pid, 9)
