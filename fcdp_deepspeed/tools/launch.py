@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from fcdp_deepspeed.tools import forkserver
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -66,6 +68,15 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _fork(server: "forkserver.ForkServer", argv: list[str], env: dict, log: Path) -> Optional["forkserver.ForkedRank"]:
+    """Rank from the fork server, or None (then it is spawned) when the server refuses or is gone."""
+    try:
+        return server.spawn(argv, env, str(log))
+    except (OSError, RuntimeError, ValueError) as err:
+        print(f"fcdp launch: spawning the rank instead of forking it ({err})", file=sys.stderr)
+        return None
+
+
 def run_local(target: str, world_size: int = 4, kwargs: Optional[Mapping[str, Any]] = None, timeout: float = 300,
               env: Optional[Mapping[str, str]] = None, pythonpath: Sequence[str] = (),
               rank_env: Optional[Mapping[int, Mapping[str, str]]] = None, cluster: Any = None) -> list[Any]:
@@ -88,6 +99,7 @@ def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, c
     per_node = world_size // cluster.nodes if cluster is not None else world_size
     path = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
     procs = []
+    server = None  # [Note: fork server] ranks forked with torch and DeepSpeed imported; see tools/forkserver.py
     try:
         for r in range(world_size):
             e = dict(os.environ)
@@ -101,10 +113,14 @@ def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, c
                           "LOCAL_WORLD_SIZE": str(per_node)})
             e.update(env or {})
             e.update((rank_env or {}).get(r, {}))
+            if cluster is None and forkserver.enabled(e):
+                server = forkserver.server_for(e)
             log = open(workdir / f"rank{r}.log", "wb")
             argv = [sys.executable, "-m", "fcdp_deepspeed.tools._worker", target, str(workdir)]
             if cluster is not None:
                 procs.append(cluster.popen(r // per_node, argv, env=e, stdout=log, stderr=subprocess.STDOUT))
+            elif server is not None and (forked := _fork(server, argv[3:], e, workdir / f"rank{r}.log")):
+                procs.append(forked)
             else:
                 procs.append(subprocess.Popen(argv, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             log.close()

@@ -189,9 +189,16 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
     setup(ranks_per_node)
     sabotage(break_kind)
     out = {}
+    plain_runs: dict[str, object] = {}
     for sc in scenarios:
         runs = {}
+        # [Note: one plain run per distinct setting] plain ZeRO-3 ignores the fcdp block (and the fault, injected
+        # only into FCDP): scenarios that differ only there share one seeded, deterministic plain run.
+        plain_key = repr(sorted((k, v) for k, v in sc.items() if k not in ("name", "fcdp", "fault")))
         for mode in ("plain", "fcdp"):
+            if mode == "plain" and plain_key in plain_runs:
+                runs[mode] = plain_runs[plain_key]
+                continue
             block = {"enabled": True, "ranks_per_node": ranks_per_node, **sc.get("fcdp", {})} if mode == "fcdp" else None
             if mode == "fcdp" and sc.get("fault"):
                 os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
@@ -209,6 +216,8 @@ def parity(scenarios: list[dict], ranks_per_node: int = 2, break_kind: str = "")
             res.weights = weights if dist.get_rank() == 0 else {}
             res.extra["optimizer_class"] = type(engine.optimizer).__name__
             runs[mode] = res
+            if mode == "plain":
+                plain_runs[plain_key] = res
         out[sc["name"]] = runs
     return out
 

@@ -1,0 +1,55 @@
+"""The fork server behind ``run_local`` (``fcdp_deepspeed/tools/forkserver.py``): forked ranks see
+their own environment, modules imported by the server saw that environment too (one server per
+environment), failures and exit codes reach the launcher as from spawned ranks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import TESTS_DIR, worker_target
+from fcdp_deepspeed.tools import forkserver
+from fcdp_deepspeed.tools.launch import RankFailure, run_local
+
+MODES = {"forked": "1", "spawned": "0"}
+
+
+def _run(worker: str, mode: str, world: int = 2, **env: str) -> list:
+    return run_local(worker_target(worker), world, {}, timeout=240, pythonpath=[TESTS_DIR],
+                     env={forkserver.FORKSERVER_ENV: MODES[mode], forkserver.PRELOAD_ENV: "workers.launch", **env})
+
+
+def check_probe_runs(mode: str) -> None:
+    """Two runs that differ only in a variable read at import time: each rank saw its own run's value."""
+    for value in ("first", "second"):
+        for rank, r in enumerate(_run("launch:environment", mode, FCDP_TEST_PROBE=value)):
+            assert (r["rank"], r["probe"], r["at_import"]) == (str(rank), value, value), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ranks_see_their_environment_at_import_and_at_run(mode):
+    check_probe_runs(mode)
+    ranks = _run("launch:environment", mode)
+    parents = {r["ppid"] for r in ranks}
+    if mode == "forked":  # siblings of one server, not children of the launcher
+        assert len(parents) == 1 and parents != {os.getpid()}
+    else:
+        assert parents == {os.getpid()}
+    assert all(r["cwd"] == os.getcwd() == r["path0"] for r in ranks)
+
+
+def test_a_server_shared_across_environments_fails_the_check(monkeypatch):
+    """Broken variant: a server picked without the import-time variable hands the second run modules that
+    saw the first run's value."""
+    monkeypatch.setattr(forkserver, "PER_RANK", (*forkserver.PER_RANK, "FCDP_TEST_PROBE"))
+    with pytest.raises(AssertionError, match="first"):
+        check_probe_runs("forked")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how, code, text", [("exit", 3, "exit 3"), ("raise", 1, "deliberate failure on this rank")])
+def test_a_failing_rank_is_reported_with_its_exit_code_and_log(mode, how, code, text):
+    with pytest.raises(RankFailure) as err:
+        run_local(worker_target("launch:fail_on_rank"), 2, {"rank": 1, "how": how}, timeout=240,
+                  pythonpath=[TESTS_DIR], env={forkserver.FORKSERVER_ENV: MODES[mode]})
+    assert "ranks [1] failed" in str(err.value) and f"exit {code}" in str(err.value) and text in str(err.value)
