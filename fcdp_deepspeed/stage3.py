@@ -166,7 +166,7 @@ class FCDPStage3(CountedStage3):
         if (reducer is None or not reducer.node_accumulation or reducer.buffer_planned or self.micro_step_id != 0
                 or ds_compat.is_boundary(self)):
             return
-        with self._attributed():
+        with self._attributed(), LEDGER.tagged(None):  # the budget agreement is planning, not gradient traffic
             reducer.plan_buffer()
         if dist.get_rank() == 0:
             logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "

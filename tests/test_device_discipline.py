@@ -17,14 +17,15 @@ from conftest import run_ranks
 from fcdp_deepspeed.tools.launch import RankFailure
 
 NODE = {"grad_accumulation": "node"}
+FLAT = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's gradient path (the defaults are auto)
 SCENARIOS = [
     # cache only, host slots (staged to the accelerator before every gather), flat gradients: bit-identical
-    dict(name="host_full_flat", fcdp={"cache_device": "host"}, grad_accum=2, steps=3),
+    dict(name="host_full_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, steps=3),
     # host node buffer, last block gated off in the boundary micro-step: the flush path runs
     dict(name="host_full_node_gated", fcdp={"cache_device": "host", **NODE}, grad_accum=4, gate={3}, steps=3),
-    dict(name="host_lora_flat", fcdp={"cache_device": "host"}, grad_accum=2, lora_rank=2, steps=3),
+    dict(name="host_lora_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, lora_rank=2, steps=3),
     dict(name="device_lora_node", fcdp={"cache_device": "device", **NODE}, grad_accum=2, lora_rank=2, steps=3),
-    dict(name="device_full_flat", fcdp={"cache_device": "device"}, grad_accum=2, steps=3),
+    dict(name="device_full_flat", fcdp={"cache_device": "device", **FLAT}, grad_accum=2, steps=3),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)

@@ -56,7 +56,8 @@ def one_node(steps: int = 3) -> dict:
         engine = toy.build_engine(copy.deepcopy(toy.ds_config(block, grad_accum=2)))
         res = toy.train(engine, steps, record_step_stats=True)
         res.weights = toy.gather_weights(engine)
-        res.extra["log"] = [m for m in capture.messages[before:] if m.startswith("fcdp:")]
+        res.extra["log"] = [m for m, level in zip(capture.messages[before:], capture.levels[before:])
+                            if m.startswith("fcdp:") and level >= logging.WARNING]  # info lines (resolved modes) aside
         res.extra["optimizer_class"] = type(engine.optimizer).__name__
         cache = engine.optimizer.fcdp.cache if block else None
         res.extra["pools"] = sum(p is not None for p in cache.pools.values()) if cache else 0
