@@ -22,7 +22,7 @@ import enum
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
 
@@ -63,7 +63,7 @@ class CacheEntry:
     hits: int = 0
     checksum: Optional[float] = None
     staged: Optional[torch.Tensor] = field(default=None, repr=False)
-    """Device copy of a host slot while one gather is being issued (see ``NodeCache.staged``)."""
+    """Device copy of a host slot while one gather is being issued (see ``SlotCopies.staged``)."""
     ready: Any = field(default=None, repr=False)
     """Event recorded after the last copy into the slot (``None`` without streams): readers wait on it."""
 
@@ -183,45 +183,22 @@ class SlotPool:
         self.chunks = [c for c in self.chunks if c.untyped_storage().data_ptr() in used]
 
 
-class NodeCache:
-    """The entries of one engine on this rank and the only code that changes their state."""
+def tag_secondary(tensor: torch.Tensor, numel: int) -> torch.Tensor:
+    """The attributes DeepSpeed's hpZ path expects on a secondary tensor."""
+    tensor.ds_numel = numel
+    tensor.status = PartitionedParamStatus.AVAILABLE
+    tensor.final_location = None
+    return tensor
 
-    def __init__(self, rank_in_node: int, counters: CacheCounters, checksums: bool) -> None:
-        self.rank_in_node = rank_in_node
+
+class SlotCopies:
+    """Host<->accelerator copies of filled slots: device copies of host hits while a gather is issued, and
+    re-placing entries into another pool. Entry states are unchanged (only :class:`NodeCache` changes them);
+    runs under the owning cache's lock."""
+
+    def __init__(self, lock: Any, counters: CacheCounters) -> None:
+        self._lock = lock
         self.counters = counters
-        self.checksums = checksums
-        self.entries: dict[int, CacheEntry] = {}  # by ds_id
-        self.pools: dict[Placement, Optional[SlotPool]] = {p: None for p in Placement}
-        # Fills run on the releasing thread (forward: main thread; backward: autograd threads).
-        self._lock = threading.RLock()
-
-    # -- queries ------------------------------------------------------------------------------
-    def entry(self, param: torch.nn.Parameter) -> Optional[CacheEntry]:
-        return self.entries.get(getattr(param, "ds_id", -1))
-
-    def is_hit(self, entry: CacheEntry) -> bool:
-        with self._lock:
-            self._reconcile(entry)
-            return entry.state is EntryState.FILLED
-
-    def held_bytes(self, placement: Placement) -> int:
-        return sum(e.nbytes for e in self.entries.values()
-                   if e.state is EntryState.FILLED and e.placement is placement)
-
-    # -- transitions --------------------------------------------------------------------------
-    def _reconcile(self, entry: CacheEntry) -> None:
-        """Catch an external drop of the secondary (e.g. DeepSpeed's own invalidation)."""
-        current = entry.param.ds_secondary_tensor
-        if entry.state is EntryState.FILLED and current is not entry.slot and current is not entry.staged:
-            entry.state = EntryState.EMPTY
-
-    @staticmethod
-    def _tag(tensor: torch.Tensor, numel: int) -> torch.Tensor:
-        """The attributes DeepSpeed's hpZ path expects on a secondary tensor."""
-        tensor.ds_numel = numel
-        tensor.status = PartitionedParamStatus.AVAILABLE
-        tensor.final_location = None
-        return tensor
 
     @contextmanager
     def staged(self, entries: Iterable[CacheEntry]) -> Iterator[None]:
@@ -243,7 +220,7 @@ class NodeCache:
                     continue
                 device.wait_event(e.ready)
                 if e.placement is Placement.HOST:
-                    e.staged = self._tag(device.to_accel(e.slot), e.slot_numel)
+                    e.staged = tag_secondary(device.to_accel(e.slot), e.slot_numel)
                     e.param.ds_secondary_tensor = e.staged
                     moved.append(e)
             if moved:
@@ -272,9 +249,52 @@ class NodeCache:
                     copy = device.to_accel if pool.placement is Placement.DEVICE else device.to_host
                     copy(old[id(e)], out=e.slot)
                     e.ready = device.record_event()
-                    self._tag(e.slot, e.slot_numel)
+                    tag_secondary(e.slot, e.slot_numel)
                     e.param.ds_secondary_tensor = e.slot
         return moved
+
+
+class NodeCache:
+    """The entries of one engine on this rank and the only code that changes their state."""
+
+    def __init__(self, rank_in_node: int, counters: CacheCounters, checksums: bool) -> None:
+        self.rank_in_node = rank_in_node
+        self.counters = counters
+        self.checksums = checksums
+        self.entries: dict[int, CacheEntry] = {}  # by ds_id
+        self.pools: dict[Placement, Optional[SlotPool]] = {p: None for p in Placement}
+        # Fills run on the releasing thread (forward: main thread; backward: autograd threads).
+        self._lock = threading.RLock()
+        self.copies = SlotCopies(self._lock, counters)
+
+    # -- queries ------------------------------------------------------------------------------
+    def entry(self, param: torch.nn.Parameter) -> Optional[CacheEntry]:
+        return self.entries.get(getattr(param, "ds_id", -1))
+
+    def is_hit(self, entry: CacheEntry) -> bool:
+        with self._lock:
+            self._reconcile(entry)
+            return entry.state is EntryState.FILLED
+
+    def held_bytes(self, placement: Placement) -> int:
+        return sum(e.nbytes for e in self.entries.values()
+                   if e.state is EntryState.FILLED and e.placement is placement)
+
+    # -- transitions --------------------------------------------------------------------------
+    def _reconcile(self, entry: CacheEntry) -> None:
+        """Catch an external drop of the secondary (e.g. DeepSpeed's own invalidation)."""
+        current = entry.param.ds_secondary_tensor
+        if entry.state is EntryState.FILLED and current is not entry.slot and current is not entry.staged:
+            entry.state = EntryState.EMPTY
+
+    # -- host<->device copies of slots (SlotCopies) ----------------------------------------------
+    def staged(self, entries: Iterable[CacheEntry]) -> ContextManager[None]:
+        """See :meth:`SlotCopies.staged` (under this cache's lock)."""
+        return self.copies.staged(entries)
+
+    def move(self, entries: list[CacheEntry], pool: SlotPool) -> list[CacheEntry]:
+        """See :meth:`SlotCopies.move` (under this cache's lock)."""
+        return self.copies.move(entries, pool)
 
     def on_partition(self, entry: CacheEntry, has_been_updated: bool) -> None:
         """DeepSpeed is partitioning ``entry.param`` (release, or ``partition(has_been_updated=True)``)."""
@@ -312,7 +332,7 @@ class NodeCache:
                 else:
                     slot.narrow(0, 0, n).copy_(src)  # same device, same stream
         entry.ready = device.record_event()
-        self._tag(slot, entry.slot_numel)
+        tag_secondary(slot, entry.slot_numel)
         if self.checksums:  # verify (a debug mode): the host reads the slot, so it waits for the copy
             device.host_wait(entry.ready)
         entry.checksum = float(slot.double().sum()) if self.checksums else None

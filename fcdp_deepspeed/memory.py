@@ -1,7 +1,7 @@
 """What memory a budget may really take: host limits beyond ``psutil``, pinned rounding, margins.
 
 Pure functions of numbers and files (every path is a parameter, so tests read real files from a
-temporary directory); the runtime (``runtime/allocation.py``, ``grads.py``) applies them.
+temporary directory); the runtime (``runtime/allocation.py``, ``grads/buffer.py``) applies them.
 
 [Note: why psutil is not enough]
 ``psutil.virtual_memory().available`` is the machine's free memory. A job in a container or a SLURM

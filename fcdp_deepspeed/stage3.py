@@ -18,7 +18,7 @@ Invalidation events (every path that writes a parameter's bit16 value):
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
-Gradients (``grad_reduce``/``grad_accumulation``, see ``grads.py``): DeepSpeed's bucket reduction
+Gradients (``grad_reduce``/``grad_accumulation``, see ``grads/``): DeepSpeed's bucket reduction
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
 reducer's copy/add/skip decision under node accumulation; the end of the boundary backward flushes
@@ -148,7 +148,7 @@ class FCDPStage3(CountedStage3):
             self._flush_node_buffer()
         return super().step(closure)
 
-    # -- gradient path (grads.py) ----------------------------------------------------------------
+    # -- gradient path (grads/) -------------------------------------------------------------------
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
         # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]
         self._plan_buffer_if_window_grew()

@@ -34,7 +34,7 @@ def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_st
     boundary = [False]
     reducer = GradReducer(cfg, build_layout([0], {0: "node0"}, 0), group, group, group, torch.float32,
                           lambda: boundary[0])
-    reducer.use_alltoall = False  # reduce_scatter_tensor, NCCL's path, also on gloo in a dry run
+    reducer.comm.use_alltoall = False  # reduce_scatter_tensor, NCCL's path, also on gloo in a dry run
     reducer.node_accumulation = True  # what build_reducer's resolved plan sets for grad_accumulation "node"
     params = []
     for ds_id, n in enumerate(numels):

@@ -49,7 +49,7 @@ def sabotage(kind: str) -> None:
 
         NodeCache._fill = _fill
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
-        grads.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
+        grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind:
         raise ValueError(kind)
 

@@ -1,0 +1,173 @@
+"""The node gradient-accumulation buffer: its slots, and how it is sized against the budget and allocated.
+
+[Note: node accumulation]
+With ``grad_accumulation: node``, a micro-step that is not the accumulation boundary runs stage 1 only
+and adds the result into :class:`NodeGradBuffer` (N*P fp32 elements per trainable parameter: 1/L of
+the trainable parameters per rank). At the boundary, each bucket adds its stage-1 result to the buffer
+and runs stage 2 once; parameters that got no gradient in the boundary micro-step are flushed at the
+end of that backward (``FCDPStage3.independent_gradient_partition_epilogue``). DeepSpeed's partitions
+receive a parameter's window sum once (copy), or in parts when reentrant checkpointing splits the
+backward (add), see :meth:`~fcdp_deepspeed.grads.delivery.DeliveryLedger.split`. Inter-node gradient bytes
+per optimizer step no longer grow with the number of micro-steps. The buffer is empty at every step
+boundary, so an overflow-skipped step, ``zero_grad`` or a checkpoint load discard nothing that was not
+already handed to DeepSpeed (``zero_grad`` also drops a partly filled window, as DeepSpeed's
+``micro_step_id = 0`` does). Readers of DeepSpeed's gradient partitions *between* micro-steps
+(``safe_get_local_grad`` before the boundary) see nothing of the window so far under node accumulation; at
+the boundary they see the full sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+
+from fcdp_deepspeed import device, faults, memory
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
+from fcdp_deepspeed.plan import BufferFit
+from fcdp_deepspeed.stats import fmt_bytes
+
+
+@dataclass
+class NodeGradBuffer:
+    """The node-shard accumulation buffer of one rank: N*P fp32 elements per buffered parameter.
+
+    ``dirty`` holds the ds_ids with a partial window sum; every rank of the DP group reduces the same
+    parameters in the same micro-steps, so the set is identical on all of them.
+    """
+
+    flat: Optional[torch.Tensor] = None
+    offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset, numel)
+    dirty: set[int] = field(default_factory=set)
+    device: str = "host"
+
+    def slot(self, ds_id: int) -> Optional[torch.Tensor]:
+        where = self.offsets.get(ds_id)
+        return None if where is None or self.flat is None else self.flat.narrow(0, where[0], where[1])
+
+    def accumulate(self, ds_id: int, cols: torch.Tensor) -> None:
+        """Add ``cols`` (accelerator, accumulation dtype) into the slot; a clean slot is overwritten.
+
+        [Note: host buffer, device add] A host slot is never read by the host: its partial sum is copied to
+        the accelerator (pinned, async), the add runs there, and the result is copied back (async) on the
+        same stream, so the next micro-step's copy of the slot is ordered after it."""
+        slot = self.slot(ds_id).view_as(cols)
+        if self.device == "host":
+            device.to_host(device.to_accel(slot) + cols if ds_id in self.dirty else cols, out=slot)
+        elif ds_id in self.dirty:
+            slot.add_(cols)
+        else:
+            slot.copy_(cols)
+        self.dirty.add(ds_id)
+
+    def take(self, ds_id: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The window sum on the accelerator (read it before the next :meth:`accumulate`); the slot is clean."""
+        self.dirty.discard(ds_id)
+        return device.to_accel(self.slot(ds_id).view(shape))
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+
+
+def fitting_prefix(sizes: Sequence[int], budget: int) -> int:
+    """How many of ``sizes``, taken in order, fit in ``budget`` (an order every rank shares)."""
+    used = 0
+    for count, size in enumerate(sizes):
+        if used + size > budget:
+            return count
+        used += size
+    return len(sizes)
+
+
+class BufferPlanner:
+    """Sizes one reducer's :class:`NodeGradBuffer` against the agreed budget and allocates it (collectives
+    over the DP group); the parameters it buffers, in ds_id order, and the bytes it could not buffer."""
+
+    def __init__(self, config: FCDPConfig, layout: ReduceLayout, dp_group: Any, accumulation_dtype: torch.dtype,
+                 buffer: NodeGradBuffer) -> None:
+        self.config = config
+        self.layout = layout
+        self.dp_group = dp_group
+        self.accumulation_dtype = accumulation_dtype
+        self.buffer = buffer
+        self.trainable: list = []
+        self.params_by_id: dict[int, torch.nn.Parameter] = {}
+        self.unbuffered_bytes = 0
+        self.planned = False
+
+    def sizes(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list[int]]:
+        params = sorted(params, key=lambda p: p.ds_id)
+        return params, [self.layout.nodes * chunk_numel(p.ds_numel, self.layout.dp_size) for p in params]
+
+    def measure(self, params: Sequence[torch.nn.Parameter]) -> BufferFit:
+        """Collective over the DP group: what buffering every trainable parameter needs, against the
+        smallest budget share of any rank (an agreed input of :func:`~fcdp_deepspeed.plan.resolve_grad_plan`)."""
+        params, numels = self.sizes(params)
+        self.trainable = params
+        on_device = self.config.grad_buffer_device == "device"
+        return BufferFit(need_bytes=sum(numels) * self.accumulation_dtype.itemsize,
+                         budget_bytes=self._agree_min(self._budget_bytes(on_device)),
+                         device="device" if on_device else "host")
+
+    def plan(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """Collective over the DP group: reserve buffer slots for a prefix (ds_id order) of the trainable
+        parameters (default: those given to :meth:`measure`) that fits the budget on every rank;
+        the rest accumulate per rank, with one warning. Runs once."""
+        if self.planned:
+            return
+        self.planned = True
+        params, numels = self.sizes(self.trainable if params is None else params)
+        self.params_by_id = {p.ds_id: p for p in params}
+        itemsize = self.accumulation_dtype.itemsize
+        on_device = self.config.grad_buffer_device == "device"
+        budget = self._budget_bytes(on_device)
+        fits = self._agree_min(fitting_prefix([n * itemsize for n in numels], budget))
+        flat = self._allocate(sum(numels[:fits]), on_device) if fits else None
+        if fits and self._agree_min(1 if flat is not None else 0) == 0:
+            flat, fits = None, 0
+        if flat is not None:
+            offset = 0
+            for p, numel in zip(params[:fits], numels):
+                self.buffer.offsets[p.ds_id] = (offset, numel)
+                offset += numel
+            self.buffer.flat = flat
+            self.buffer.device = "device" if on_device else "host"
+        self.unbuffered_bytes = sum(numels[fits:]) * itemsize
+        if fits < len(params) and dist.get_rank() == 0:
+            from deepspeed.utils import logger
+            key = "fcdp.grad_buffer_budget" + (" (accelerator memory, grad_buffer_device = device)" if on_device else "")
+            logger.warning(f"fcdp: the node gradient-accumulation buffer needs {fmt_bytes(sum(numels) * itemsize)} per "
+                           f"rank but {fmt_bytes(budget)} is allowed (or allocation failed); {len(params) - fits} of "
+                           f"{len(params)} trainable parameters ({fmt_bytes(self.unbuffered_bytes)}) are reduced across "
+                           f"nodes on every micro-step instead. Raise {key} to buffer them.")
+
+    def _budget_bytes(self, on_device: bool) -> int:
+        """This rank's share: accelerator budget per rank, or the host budget per node (resolved against
+        ``memory.host_limit`` less its margin) split over its ranks. A pinned buffer costs its power-of-two
+        rounding, so the host share is the largest request whose pinned cost fits."""
+        spec = self.config.grad_buffer_budget_spec
+        if on_device:
+            return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
+        usable = memory.usable_host(memory.host_limit())
+        share = min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
+        return memory.pinned_capacity(share, self.config.pin_memory and device.pins_host_memory())
+
+    def _allocate(self, numel: int, on_device: bool) -> Optional[torch.Tensor]:
+        """The buffer, allocated once (pinned on the host); ``None`` when allocation fails here."""
+        try:
+            faults.maybe_fail(f"alloc_gradbuf_{'device' if on_device else 'host'}")
+            alloc = device.accel_empty if on_device else device.pin_empty if self.config.pin_memory else device.host_empty
+            return alloc(numel, self.accumulation_dtype).zero_()
+        except (RuntimeError, MemoryError, faults.InjectedFault):
+            return None
+
+    def _agree_min(self, value: int) -> int:
+        t = device.small_to_accel([value], torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
+        return int(device.small_to_host(t)[0])
+

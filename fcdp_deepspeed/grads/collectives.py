@@ -1,0 +1,51 @@
+"""The two stages' collectives: a reduce-scatter inside the node, then one among the node peers."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+
+import deepspeed.comm.comm as _comm_module
+from fcdp_deepspeed.grads.layout import ReduceLayout
+
+
+class StageCollectives:
+    """Stage 1 over the node group, stage 2 over the peer group (see [Note: the two-stage reduction] in
+    ``layout.py``); results in the accumulation dtype, summed in a fixed order."""
+
+    def __init__(self, layout: ReduceLayout, dp_group: Any, node_group: Any, peer_group: Any,
+                 accumulation_dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.node_group = node_group
+        self.peer_group = peer_group
+        self.accumulation_dtype = accumulation_dtype
+        backend = _comm_module.cdb.get_backend(dp_group)
+        #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there.
+        self.use_alltoall = str(backend).lower() == "gloo"
+
+    def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
+        """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
+        if self.use_alltoall:
+            recv = torch.empty_like(inp)
+            dist.all_to_all_single(recv, inp, group=group)
+            rows = recv.view(parts, -1)
+            total = rows[0].to(self.accumulation_dtype, copy=True)
+            for row in rows[1:]:  # fixed order: group-rank order
+                total.add_(row.to(self.accumulation_dtype))
+            return total
+        out = torch.empty(inp.numel() // parts, dtype=inp.dtype, device=inp.device)
+        dist.reduce_scatter_tensor(out, inp, group=group)
+        return out.to(self.accumulation_dtype)
+
+    def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
+        """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
+        return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
+
+    def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype) -> list[torch.Tensor]:
+        """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum."""
+        sizes = [t.shape[1] for t in node_sums]
+        inp = torch.cat(node_sums, dim=1).to(comm_dtype).contiguous()
+        own = self._scatter_sum(inp.view(-1), self.peer_group, self.layout.nodes)
+        return list(own.split(sizes))
