@@ -67,7 +67,7 @@ def test_gradient_modes_within_1e5(smoke, name):
 
 
 def test_config_refusals(smoke):
-    tree, no_reduce_scatter = smoke[0]["refusals"]
+    tree, no_reduce_scatter = (row["error"] for row in smoke[0]["refusals"])
     assert tree.startswith("FCDPConfigError") and "fcdp.grad_reduce = 'tree'" in tree, tree
     assert no_reduce_scatter.startswith("FCDPConfigError") and "reduce_scatter = false" in no_reduce_scatter, \
         no_reduce_scatter
