@@ -12,7 +12,7 @@ docs/deepspeed-releases.md has the table.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,6 +60,19 @@ def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
         gather = torch.distributed.all_gather_object
     gather(object_list, obj, group=group)
 
+
+
+def autocast_comm_dtype(param: torch.nn.Parameter) -> Optional[torch.dtype]:
+    """The dtype ZeRO-3 all-gathers ``param`` in when ``torch_autocast`` marked it, else ``None``.
+
+    0.17-0.19: ``deepspeed.runtime.torch_autocast`` marks such parameters (``has_comm_dtype``).
+    0.16: no such module; ZeRO-3 gathers every parameter in its partition's dtype, so nothing is marked.
+    """
+    try:
+        from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
+    except ImportError:
+        return None
+    return get_comm_dtype(param) if has_comm_dtype(param) else None
 
 #: Arguments of ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` after the bucket's parameters.
 #: 0.17-0.19: ``(params_to_reduce, communication_data_type)``; 0.16: ``(params_to_reduce)`` (it reads

@@ -113,3 +113,15 @@ def test_ci_checks_every_listed_release():
     stage = re.search(r"for version in ([0-9. ]+); do", (root / ".ci" / "run").read_text()).group(1).split()
     main = re.search(r'DEEPSPEED_PIN = "deepspeed==([0-9.]+)"', (root / "setup.py").read_text()).group(1)
     assert sorted(stage + [main]) == sorted(TESTED_DEEPSPEED_VERSIONS), (stage, main)
+
+
+def test_autocast_comm_dtype_where_the_release_marks_it():
+    """0.17-0.19 mark autocast parameters (``torch_autocast``); 0.16 has no such module: never marked."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    assert ds_compat.autocast_comm_dtype(param) is None
+    try:
+        from deepspeed.runtime.torch_autocast import PARAM_COMM_DTYPE_ATTR_NAME
+    except ImportError:
+        return
+    setattr(param, PARAM_COMM_DTYPE_ATTR_NAME, torch.bfloat16)
+    assert ds_compat.autocast_comm_dtype(param) is torch.bfloat16

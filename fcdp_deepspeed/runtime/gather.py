@@ -31,13 +31,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
 from deepspeed.runtime.zero.partition_parameters import (AllGatherCoalescedHandle, MultipleAllGatherHandles,
                                                          ZeroParamStatus)
 from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, ds_compat
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
@@ -89,7 +88,7 @@ class HierarchicalGather:
                 return "cache hit"  # not a miss: DeepSpeed's node-group path serves it
             if not self._over_dp_group(p.ds_process_group):
                 return "partitioned over another process group"
-            if has_comm_dtype(p) and get_comm_dtype(p) != p.ds_tensor.dtype:
+            if ds_compat.autocast_comm_dtype(p) not in (None, p.ds_tensor.dtype):
                 return "autocast communication dtype"
             if p.ds_status is not ZeroParamStatus.NOT_AVAILABLE:
                 return "not partitioned"  # DeepSpeed raises its own error for this

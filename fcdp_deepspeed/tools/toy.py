@@ -126,10 +126,18 @@ def batch(step: int, micro_batch: int, hidden: int, seed: int = 0) -> tuple[torc
 
 
 def gather_weights(engine) -> dict[str, torch.Tensor]:
-    """Full fp32 copies of every parameter (a bypass gather, outside the cache)."""
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        return {n: p.detach().float().clone() for n, p in params}
+    """Full fp32 copies of every parameter (a bypass gather, outside the cache), one parameter at a time.
+
+    [Note: DeepSpeed 0.16.9-0.18.9 gather several parameters with async all-gathers and wait only on the
+    last one; on the CPU accelerator (gloo) the others may still be running when ``param.data`` is read,
+    so a multi-parameter ``GatheredParameters`` intermittently returns garbage, with plain ZeRO-3 too
+    (``scripts/deepspeed_gather_race.py``). A single parameter takes DeepSpeed's blocking path.]
+    """
+    out = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            out[name] = param.detach().float().clone()
+    return out
 
 
 def build_engine(cfg: dict, *, hidden: int = 32, layers: int = 4, lora_rank: int = 0, seed: int = 0,
