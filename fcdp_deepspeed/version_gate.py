@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 #: DeepSpeed releases the hooks were verified against (parity and traffic tests).
-TESTED_DEEPSPEED_VERSIONS = ("0.17.6", "0.18.9", "0.19.8")
+TESTED_DEEPSPEED_VERSIONS = ("0.16.9", "0.17.6", "0.18.9", "0.19.8")
 #: Set to 1 to run on an untested DeepSpeed release anyway (at your own risk).
 ALLOW_UNTESTED_ENV = "FCDP_ALLOW_UNTESTED_DEEPSPEED"
 
