@@ -122,7 +122,10 @@ def test_importing_deepspeed_installs_fcdp_unless_opted_out(fresh, installed):
 
 def _config(tmp: Path, enabled: bool) -> Path:
     cfg = json.loads("\n".join(line.split("//")[0] for line in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
-    if not enabled:
+    if enabled:
+        # two ranks on one machine are one node, where FCDP takes no memory: simulate 2 nodes x 1 so the cache runs
+        cfg["fcdp"]["ranks_per_node"] = 1
+    else:
         cfg.pop("fcdp")
     path = tmp / f"ds_{'on' if enabled else 'off'}.json"
     path.write_text(json.dumps(cfg))

@@ -79,7 +79,9 @@ def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_st
         res.check(f"param {i}: equals the reference sum", got is not None and torch.equal(got.cpu(), ref),
                   "delivered at the boundary" if i < len(numels) - 1 else "delivered by flush")
     res.numbers.update(max_abs_error_vs_float64=errors, **reducer.stats())
-    res.check("buffer empty after the window", not reducer.buffer.dirty and flat is not None and not flat.any())
+    # a delivered slot is clean (the next window overwrites it, see NodeGradBuffer.accumulate): nothing stays dirty
+    res.check("buffer empty after the window", flat is not None and not reducer.buffer.dirty,
+              f"dirty: {sorted(reducer.buffer.dirty)}")
     res.check("one parameter flushed", reducer.counters.flushed == 1, f"flushed {reducer.counters.flushed}")
     return res
 

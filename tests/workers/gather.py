@@ -80,7 +80,8 @@ def megatron(steps: int = 2, tp: int = 2, ranks_per_node: int = 4) -> dict:
     fcdp_deepspeed.install()
     out = {}
     for name in ("plain", "flat", "hierarchical"):
-        block = None if name == "plain" else {"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": name}
+        block = None if name == "plain" else {"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": name,
+                                              "grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's sums
         cfg = toy.ds_config(block, regime="large")
         torch.manual_seed(100 + tp_rank)  # TP peers hold different values
         with deepspeed.zero.Init(config_dict_or_path=cfg, mpu=mpu, data_parallel_group=mpu.get_data_parallel_group()):

@@ -14,11 +14,12 @@ def broken_flush(kind: str) -> dict:
             for ds_id in self.buffer.dirty:
                 self.buffer.slot(ds_id).zero_()
             yield from original(self, comm_dtype, bucket_numel)
-        elif kind == "stale_buffer":  # delivered, but the slot keeps its sum into the next window
+        elif kind == "stale_buffer":  # delivered, but the slot stays dirty: the next window adds onto its sum
             kept = {i: self.buffer.slot(i).clone() for i in self.buffer.dirty}
             yield from original(self, comm_dtype, bucket_numel)
             for i, value in kept.items():
                 self.buffer.slot(i).copy_(value)
+                self.buffer.dirty.add(i)
         elif kind == "refused":  # what NCCL does with a host tensor
             raise RuntimeError("No backend type associated with device type cpu")
             yield
