@@ -155,16 +155,21 @@ def reference_errors(sc: dict, fcdp: dict | None) -> list[dict]:
     return out
 
 
-def error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "") -> dict:
-    """Per scenario: boundary errors of plain ZeRO-3 (flat) and of each FCDP gradient mode."""
+def _errors_by_mode(scenarios: list[dict], ranks_per_node: int, break_kind: str, errors) -> dict:
+    """Per scenario: ``errors(sc, block)`` for plain ZeRO-3 (block None) and each FCDP gradient mode."""
     setup(ranks_per_node)
     sabotage(break_kind)
     result = {}
     for sc in scenarios:
         modes = {"zero3": None, **{name: {"enabled": True, "ranks_per_node": ranks_per_node, **block}
                                    for name, block in sc["modes"].items()}}
-        result[sc["name"]] = {name: reference_errors(sc, block) for name, block in modes.items()}
+        result[sc["name"]] = {name: errors(sc, block) for name, block in modes.items()}
     return result
+
+
+def error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "") -> dict:
+    """Per scenario: boundary errors of plain ZeRO-3 (flat) and of each FCDP gradient mode."""
+    return _errors_by_mode(scenarios, ranks_per_node, break_kind, reference_errors)
 
 
 def inject_overflow(engine, steps: set) -> None:
@@ -318,11 +323,4 @@ def bf16_errors(sc: dict, fcdp: dict | None) -> list[dict]:
 
 def bf16_error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "") -> dict:
     """Per scenario, in bf16: boundary errors of plain ZeRO-3 and of each FCDP gradient mode."""
-    setup(ranks_per_node)
-    sabotage(break_kind)
-    result = {}
-    for sc in scenarios:
-        modes = {"zero3": None, **{name: {"enabled": True, "ranks_per_node": ranks_per_node, **block}
-                                   for name, block in sc["modes"].items()}}
-        result[sc["name"]] = {name: bf16_errors(sc, block) for name, block in modes.items()}
-    return result
+    return _errors_by_mode(scenarios, ranks_per_node, break_kind, bf16_errors)
