@@ -19,7 +19,8 @@ def predicted(row: dict) -> float:
                        dtype_bytes=4, no_backward_fraction=row["no_backward_params"] / row["params"],
                        regime=row["regime"], backend="gloo",
                        param_gather=row.get("param_gather", "flat"))  # runs before the two-stage gather: flat
-    return inter_node_bytes_per_step(spec, row["engine"])["total"]
+    engine = {"fcdp_node_flat": "fcdp_node"}.get(row["engine"], row["engine"])  # its row says param_gather: flat
+    return inter_node_bytes_per_step(spec, engine)["total"]
 
 
 def check_rows(rows: list[dict]) -> None:

@@ -36,7 +36,11 @@ from typing import Any, Optional, Sequence
 ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
-FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"}}
+FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
+               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"}}
+#: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
+#: flat ring for misses, to compare the two-stage gather side by side in one run).
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat")
 
 
 @dataclass
@@ -311,7 +315,7 @@ def markdown_table(rows: list[dict]) -> str:
              "cache host MiB/rank | grad buffer MiB/rank |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    order = {e: i for i, e in enumerate((*ENGINES, "bound"))}
+    order = {e: i for i, e in enumerate((*ALL_ENGINES, "bound"))}
     for r in sorted(rows, key=lambda r: (r["rate_mbit"] == 0, r["rate_mbit"], r["job"], r.get("grad_accum", 1),
                                          order.get(r["engine"], 9))):
         lines.append(f"| {_rate_label(r['rate_mbit'])} | {r['job']} | {r.get('grad_accum', 1)} | {r['engine']} | "
@@ -328,7 +332,7 @@ def _plot_bars(rows: list[dict], jobs: list, axes) -> None:
     """Single-bandwidth runs: samples/s (measured engines) and inter-node MB per step (with the bound)."""
     for col, job in enumerate(jobs):
         mine = {r["engine"]: r for r in rows if _job_key(r) == job}
-        names = [e for e in (*ENGINES, "bound") if e in mine]
+        names = [e for e in (*ALL_ENGINES, "bound") if e in mine]
         measured = [e for e in names if e != "bound"]
         axes[0][col].bar(measured, [mine[e]["samples_per_s"] for e in measured], color="tab:blue")
         axes[1][col].bar(names, [mine[e]["kernel_inter_node_bytes_per_step"] / 1e6 for e in names],
@@ -358,7 +362,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     unlimited_x = (max(rates) * 4) if rates else 1
     for col, job in enumerate(jobs):
-        for engine, style in zip((*ENGINES, "bound"), ("o-", "s--", "^-", "D-", "k:")):
+        for engine, style in zip((*ALL_ENGINES, "bound"), ("o-", "s--", "^-", "D-", "v--", "k:")):
             pts = sorted(((r["rate_mbit"] or unlimited_x, r) for r in rows
                           if _job_key(r) == job and r["engine"] == engine and r["samples_per_s"]), key=lambda p: p[0])
             if not pts:
@@ -386,7 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="fcdp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100,200,1000,10000,0", help="Mbit/s per node uplink, 0 = unlimited")
     ap.add_argument("--jobs", default="full,lora")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ALL_ENGINES)}")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=512)
@@ -403,6 +407,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.engines.split(",")) - set(ALL_ENGINES))
+    if unknown:
+        ap.error(f"--engines: unknown {', '.join(unknown)} (choose from {', '.join(ALL_ENGINES)})")
     spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                      rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
                      engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
