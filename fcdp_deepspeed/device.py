@@ -47,11 +47,6 @@ class Door:
     def has_streams(self) -> bool:
         return not get_accelerator().is_synchronized_device()
 
-    def collective_wait_blocks_host(self) -> bool:
-        """Whether ``work.wait()`` on an async collective blocks the host (gloo on the CPU accelerator)
-        rather than making the current stream wait (NCCL)."""
-        return not self.has_streams()
-
     def is_host(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and not self.host_is_accel()
 
@@ -216,10 +211,6 @@ def small_to_accel(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 def small_to_host(t: torch.Tensor) -> list:
     return _DOOR.small_to_host(t)
-
-
-def collective_wait_blocks_host() -> bool:
-    return _DOOR.collective_wait_blocks_host()
 
 
 def current_stream() -> Any:
