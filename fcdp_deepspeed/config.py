@@ -164,6 +164,12 @@ class FCDPConfig(DeepSpeedConfigModel):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
+    miss_batch_bytes: int = Field(32 * 2**20, ge=0)
+    """With the hierarchical gather: when every stale cached parameter together is at most this many
+    bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
+    in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
+    accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
+
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the

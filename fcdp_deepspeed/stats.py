@@ -382,6 +382,9 @@ class CacheCounters(EventCounters):
     staged_bytes: int = 0
     hierarchical_gathers: int = 0
     """Cache misses (and uncached fetches) gathered in two stages (``fcdp.param_gather``)."""
+    batched_refills: int = 0
+    """Batched refills of small stale parameters (``fcdp.miss_batch_bytes``); ``batched_params``: parameters in them."""
+    batched_params: int = 0
     verified_gathers: int = 0
     gather_fallbacks: Counter = field(default_factory=Counter)
     """Parameters the two-stage gather handed to DeepSpeed's flat ring, by reason."""

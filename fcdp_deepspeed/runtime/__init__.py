@@ -12,6 +12,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
   counting, verification, zero-size parameters ([Note: threads]);
 - ``gather.py`` (:class:`HierarchicalGather`: peer/node groups, slot permutation): the two-stage
   all-gather of misses, ``fcdp.param_gather`` ([Note: the two-stage gather]);
+- ``refill.py`` (:class:`MissBatcher`: the batch size cap): small stale parameters refilled together
+  at the first miss, one collective instead of one per module ([Note: why batch misses]);
 - ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
@@ -35,6 +37,7 @@ from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather
 from fcdp_deepspeed.runtime.invalidation import Invalidation
+from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.stats import CacheCounters, CommCounters
 from fcdp_deepspeed.topology import Topology
@@ -87,7 +90,8 @@ class FCDPRuntime:
         warn_if_nothing_cached(self.attachment, self.allocation)
         gather = build_gather(self.config, self.attachment.topology)  # collective (peer groups)
         self.param_gather = "flat" if gather is None else "hierarchical"
-        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather)
+        batcher = MissBatcher(cache, gather, self.counters, self.config.miss_batch_bytes) if gather is not None else None
+        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher)
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)

@@ -34,6 +34,7 @@ from deepspeed.utils import logger
 from fcdp_deepspeed import device
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
+from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
 
 
@@ -136,6 +137,8 @@ class FetchPath:
     verify_rate: float
     #: The two-stage gather of misses (``fcdp.param_gather``); ``None``: DeepSpeed's flat ring.
     gather: Optional[HierarchicalGather] = None
+    #: Refills small stale parameters together at the first miss (``fcdp.miss_batch_bytes``); ``None``: off.
+    batcher: Optional[MissBatcher] = None
     #: Parameters gathered in two stages so far (drives verify sampling of misses; identical on every rank).
     miss_gathers: int = 0
 
@@ -177,27 +180,40 @@ class FetchPath:
         """Issue one coalesced gather: hits through DeepSpeed's node-group (hpZ) path, misses through
         the two-stage gather where it applies, else DeepSpeed's flat ring (the reason is counted)."""
         misses = [p for p in params if p.ds_secondary_tensor is None]
-        reason = self.gather.unsupported(misses, quantize) if self.gather is not None and misses else "flat"
-        if reason:
-            if reason != "flat":
-                self._fall_back(reason, len(misses))
-            with self.cache.staged(hits):
-                return original(params, safe_mode=safe_mode, quantize=quantize), []
+        refilled = self.batcher.refill(misses, quantize) if self.batcher is not None and misses else None
+        batched = {p.ds_id for p in refilled or ()}
+        gathered = [p for p in misses if p.ds_id in batched]  # the batch filled their slots: hits now
+        if gathered:
+            hits = hits + [e for e in map(self.cache.entry, gathered) if e is not None]
+            misses = [p for p in misses if p.ds_id not in batched]
+        if misses:
+            reason = self.gather.unsupported(misses, quantize) if self.gather is not None else "flat"
+            if reason:
+                if reason != "flat":
+                    self._fall_back(reason, len(misses))
+                with self.cache.staged(hits):
+                    return original(params, safe_mode=safe_mode, quantize=quantize), self._sample(gathered)
         handles = []
         served = [p for p in params if p.ds_secondary_tensor is not None]
         if served:  # the coordinator passes hits and misses separately; other callers may mix them
             with self.cache.staged(hits):
                 handles.append(original(served, safe_mode=safe_mode, quantize=quantize))
-        handles.append(self.gather.issue(misses, safe_mode=safe_mode))
+        if misses:
+            handles.append(self.gather.issue(misses, safe_mode=safe_mode))
+            self.counters.bump(hierarchical_gathers=len(misses))
+        return (handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)), self._sample(gathered + misses)
+
+    def _sample(self, params: list) -> list[Check]:
+        """Verify references for a sample of two-stage gathered parameters (``verify`` mode)."""
         checks = []
         rate = self.verify_rate
-        for p in sorted(misses, key=lambda q: q.ds_id):
+        for p in sorted(params, key=lambda q: q.ds_id):
             self.miss_gathers += 1
             if rate > 0 and math.floor(self.miss_gathers * rate) != math.floor((self.miss_gathers - 1) * rate):
                 entry = self.cache.entry(p)
                 checks.append((entry.name if entry else f"ds_id={p.ds_id}", p, flat_reference(p), "two-stage gathered"))
-        self.counters.bump(hierarchical_gathers=len(misses), verified_gathers=len(checks))
-        return (handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)), checks
+        self.counters.bump(verified_gathers=len(checks))
+        return checks
 
     def _fall_back(self, reason: str, count: int) -> None:
         if self.counters.gather_fell_back(reason, count) and dist.get_rank() == 0:

@@ -52,6 +52,8 @@ class Report:
             "invalidations": dict(c.invalidations),
             "verified_hits": c.verified_hits,
             "hierarchical_gathers": c.hierarchical_gathers,
+            "batched_refills": c.batched_refills,
+            "batched_params": c.batched_params,
             "verified_gathers": c.verified_gathers,
             "param_gather_fallbacks": dict(c.gather_fallbacks),
             "h2d_async_copies": c.staged_copies,

@@ -1,0 +1,85 @@
+"""Batched refill: small cache misses gathered together in one two-stage gather (``fcdp.miss_batch_bytes``).
+
+[Note: why batch misses]
+After an optimizer step every trainable parameter's cached slice is stale, so each one is a miss at its
+first fetch: DeepSpeed fetches module by module, so a LoRA model with k adapted modules issues k small
+inter-node gathers per step. Their payload is at the lower bound already, but each collective also
+costs a fixed amount (gloo: ~290 B of protocol per ring message over the uplink, NCCL: a launch and a
+round trip), which for rank-2 adapters was 8% on top of the payload. At the first miss, when every stale
+cached parameter together is at most ``miss_batch_bytes`` (full size), FCDP gathers all of them at once
+(:meth:`HierarchicalGather.issue`, one coalesced collective per stage and dtype) and partitions them
+again right away: DeepSpeed's release path fills each slot (``NodeCache.on_partition``), so the current
+fetch and every later fetch of those parameters are hits. Same bytes across nodes, one message.
+
+What it costs: the full parameters of the batch are on the accelerator together for the time of the
+gather (at most ``miss_batch_bytes``; a plain gather of one module holds that module's), at the first
+fetch of the forward pass, when activation memory is lowest. A stale parameter that is not used in the
+step is gathered anyway (bytes it would not have needed); ``miss_batch_bytes: 0`` turns batching off.
+
+[Note: agreement] The batch is every EMPTY entry with a slot whose parameter is partitioned
+(NOT_AVAILABLE), in ``ds_id`` order. Entry states change only at the same logical points on every rank
+(fills on release, invalidation at step boundaries and checkpoint events), so every rank builds the
+same batch at the same fetch and issues the same collectives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from fcdp_deepspeed.cache import EntryState, NodeCache
+from fcdp_deepspeed.runtime.gather import HierarchicalGather
+from fcdp_deepspeed.stats import CacheCounters
+
+
+def _on_nvme(param: torch.nn.Parameter) -> bool:
+    location = getattr(param.ds_tensor, "final_location", None)
+    return getattr(location, "name", "") == "nvme"
+
+
+@dataclass(eq=False)
+class MissBatcher:
+    """Refills every stale cached parameter at once when they are small together (see [Note: why batch
+    misses])."""
+
+    cache: NodeCache
+    gather: HierarchicalGather
+    counters: CacheCounters
+    #: ``fcdp.miss_batch_bytes``: largest full size of a batch (0: off).
+    max_bytes: int
+
+    def batch(self) -> list[torch.nn.Parameter]:
+        """The stale cached parameters to refill now, in ``ds_id`` order ([] when batching does not apply)."""
+        if self.max_bytes <= 0:
+            return []
+        params, total = [], 0
+        for entry in sorted(self.cache.entries.values(), key=lambda e: e.param.ds_id):
+            param = entry.param
+            if (entry.state is not EntryState.EMPTY or entry.slot is None or param.ds_numel == 0
+                    or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE or _on_nvme(param)):
+                continue
+            total += param.ds_numel * param.ds_tensor.element_size()
+            if total > self.max_bytes:
+                return []
+            params.append(param)
+        if len(params) < 2 or self.gather.unsupported(params, quantize=False):
+            return []  # one parameter gathers alone anyway; unsupported ones take the ring one by one
+        return params
+
+    def refill(self, misses: list[torch.nn.Parameter], quantize: bool) -> Optional[list[torch.nn.Parameter]]:
+        """If ``misses`` belong to a batch, gather the whole batch and fill its slots (collective over the DP
+        group; every rank decides the same, see [Note: agreement]). Returns the refilled parameters, or
+        ``None`` when nothing was batched."""
+        if quantize or not misses:
+            return None
+        params = self.batch()
+        if not params or not {p.ds_id for p in misses} & {p.ds_id for p in params}:
+            return None
+        self.gather.issue(params).wait()  # AVAILABLE: param.data holds the full parameter
+        for p in params:
+            p.partition()  # DeepSpeed's release: the slot fills (NodeCache.on_partition), the full tensor is freed
+        self.counters.bump(batched_refills=1, batched_params=len(params))
+        return params
