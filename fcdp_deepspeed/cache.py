@@ -263,6 +263,9 @@ class NodeCache:
         self.checksums = checksums
         self.entries: dict[int, CacheEntry] = {}  # by ds_id
         self.pools: dict[Placement, Optional[SlotPool]] = {p: None for p in Placement}
+        #: Bumped whenever entries are dropped or disabled (the same points on every rank): a new set of
+        #: stale entries (``runtime.refill`` decides once per generation).
+        self.generation = 0
         # Fills run on the releasing thread (forward: main thread; backward: autograd threads).
         self._lock = threading.RLock()
         self.copies = SlotCopies(self._lock, counters)
@@ -352,6 +355,7 @@ class NodeCache:
                     entry.checksum = None
                     count += 1
         if count:
+            self.generation += 1
             self.counters.invalidated(reason, count)
         return count
 
@@ -365,3 +369,4 @@ class NodeCache:
                 entry.slot = None
                 entry.placement = None
                 entry.disabled_reason = reason
+            self.generation += 1

@@ -108,6 +108,25 @@ def test_verify_catches_a_broken_permutation():
                   ranks_per_node=2, break_kind="no_permutation")
 
 
+def test_batched_refill_of_small_misses():
+    """LoRA: after the first step every stale adapter is refilled by one inter-node all-gather per step
+    (one per adapted module without batching), with identical losses, weights and eval output."""
+    for r in run_ranks("gather:batched", 4, timeout=600):
+        on, off = r["batched"], r["unbatched"]
+        assert on["losses"] == off["losses"] and torch.equal(on["eval"], off["eval"])
+        for key, w in off["weights"].items():
+            assert torch.equal(w, on["weights"][key]), key
+        assert on["allgathers_per_step"] == [1, 1], on["allgathers_per_step"]
+        assert min(off["allgathers_per_step"]) > 1, off["allgathers_per_step"]
+        assert on["stats"]["batched_refills"] >= 2 and off["stats"]["batched_refills"] == 0
+
+
+def test_a_batch_that_skips_the_gather_fails():
+    """Slots marked filled without gathering serve last step's adapters: verify raises."""
+    with pytest.raises(Exception, match="differs from its plain ZeRO-3 gather"):
+        run_ranks("gather:batched", 4, timeout=600, verify=True, break_kind="batch_skips_gather")
+
+
 @pytest.mark.slow
 def test_four_nodes_x_two_and_megatron_tp2():
     """4 nodes x 2 (8 ranks), and TP=2 with DP subgroups {0,2,4,6}/{1,3,5,7} on 2 nodes x 4."""

@@ -6,7 +6,8 @@ first fetch: DeepSpeed fetches module by module, so a LoRA model with k adapted 
 inter-node gathers per step. Their payload is at the lower bound already, but each collective also
 costs a fixed amount (gloo: ~290 B of protocol per ring message over the uplink, NCCL: a launch and a
 round trip), which for rank-2 adapters was 8% on top of the payload. At the first miss, when every stale
-cached parameter together is at most ``miss_batch_bytes`` (full size), FCDP gathers all of them at once
+cached parameter together is at most ``miss_batch_bytes`` (full size) and at most a quarter of all cached
+parameters (a few parameters change, as in PEFT), FCDP gathers all of them at once
 (:meth:`HierarchicalGather.issue`, one coalesced collective per stage and dtype) and partitions them
 again right away: DeepSpeed's release path fills each slot (``NodeCache.on_partition``), so the current
 fetch and every later fetch of those parameters are hits. Same bytes across nodes, one message.
@@ -15,6 +16,9 @@ What it costs: the full parameters of the batch are on the accelerator together 
 gather (at most ``miss_batch_bytes``; a plain gather of one module holds that module's), at the first
 fetch of the forward pass, when activation memory is lowest. A stale parameter that is not used in the
 step is gathered anyway (bytes it would not have needed); ``miss_batch_bytes: 0`` turns batching off.
+Full fine-tuning (and the first step, when every slot is empty) stays with per-module gathers: there
+the stale set is the model, per-message costs are negligible next to the payload, and a module's
+gather overlaps the previous module's compute.
 
 [Note: agreement] The batch is every EMPTY entry with a slot whose parameter is partitioned
 (NOT_AVAILABLE), in ``ds_id`` order. Entry states change only at the same logical points on every rank
@@ -50,19 +54,29 @@ class MissBatcher:
     counters: CacheCounters
     #: ``fcdp.miss_batch_bytes``: largest full size of a batch (0: off).
     max_bytes: int
+    #: The cache generation last decided on: one decision per set of stale entries, at its first miss.
+    _decided: int = -1
 
     def batch(self) -> list[torch.nn.Parameter]:
-        """The stale cached parameters to refill now, in ``ds_id`` order ([] when batching does not apply)."""
-        if self.max_bytes <= 0:
+        """The stale cached parameters to refill now, in ``ds_id`` order ([] when batching does not apply).
+
+        Decided once per cache generation (the first miss after entries were dropped), so a full
+        fine-tuning step does not batch the tail of the model once the rest has been fetched, and a
+        step's later misses cost no scan."""
+        if self.max_bytes <= 0 or self.cache.generation == self._decided:
             return []
+        self._decided = self.cache.generation
+        entries = sorted((e for e in self.cache.entries.values() if e.slot is not None), key=lambda e: e.param.ds_id)
+        cached = sum(e.param.ds_numel * e.param.ds_tensor.element_size() for e in entries)
+        limit = min(self.max_bytes, cached // 4)  # a small part of the model changed, as in PEFT
         params, total = [], 0
-        for entry in sorted(self.cache.entries.values(), key=lambda e: e.param.ds_id):
+        for entry in entries:
             param = entry.param
-            if (entry.state is not EntryState.EMPTY or entry.slot is None or param.ds_numel == 0
+            if (entry.state is not EntryState.EMPTY or param.ds_numel == 0
                     or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE or _on_nvme(param)):
                 continue
             total += param.ds_numel * param.ds_tensor.element_size()
-            if total > self.max_bytes:
+            if total > limit:
                 return []
             params.append(param)
         if len(params) < 2 or self.gather.unsupported(params, quantize=False):
@@ -70,13 +84,13 @@ class MissBatcher:
         return params
 
     def refill(self, misses: list[torch.nn.Parameter], quantize: bool) -> Optional[list[torch.nn.Parameter]]:
-        """If ``misses`` belong to a batch, gather the whole batch and fill its slots (collective over the DP
-        group; every rank decides the same, see [Note: agreement]). Returns the refilled parameters, or
-        ``None`` when nothing was batched."""
+        """At the first miss of a cache generation, gather the batch (if any) and fill its slots (collective
+        over the DP group; every rank decides the same, see [Note: agreement]). Returns the refilled
+        parameters, or ``None`` when nothing was batched."""
         if quantize or not misses:
             return None
         params = self.batch()
-        if not params or not {p.ds_id for p in misses} & {p.ds_id for p in params}:
+        if not params:
             return None
         self.gather.issue(params).wait()  # AVAILABLE: param.data holds the full parameter
         for p in params:

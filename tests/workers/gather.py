@@ -8,7 +8,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 import fcdp_deepspeed
-from fcdp_deepspeed.runtime import gather
+from fcdp_deepspeed.runtime import gather, refill
 from fcdp_deepspeed.tools import toy
 from workers.common import setup
 from workers.grads import _config, build, train
@@ -18,6 +18,16 @@ def sabotage(kind: str) -> None:
     """Deliberately broken variants, to show the tests can fail."""
     if kind == "no_permutation":  # read partitions in slot order as if it were DeepSpeed's rank order
         gather.slot_of_rank = lambda layout: tuple(range(layout.dp_size))
+    elif kind == "batch_skips_gather":  # the batch marks slots filled from whatever they held (stale values)
+        def stale_refill(self, misses, quantize):
+            params = self.batch()
+            if not params:
+                return None
+            for p in params:
+                entry = self.cache.entry(p)
+                entry.state, p.ds_secondary_tensor = refill.EntryState.FILLED, entry.slot
+            return params
+        refill.MissBatcher.refill = stale_refill
     elif kind:
         raise ValueError(kind)
 
@@ -50,7 +60,8 @@ def miss_bytes(ranks_per_node: int = 2, mode: str = "hierarchical", break_kind: 
     aligned bytes, and whether the gathered value equals DeepSpeed's flat gather of the partitions."""
     setup(ranks_per_node)
     sabotage(break_kind)
-    cfg = toy.ds_config({"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": mode})
+    # one parameter at a time: no batched refill (it would gather every stale parameter at the first miss)
+    cfg = toy.ds_config({"enabled": True, "ranks_per_node": ranks_per_node, "param_gather": mode, "miss_batch_bytes": 0})
     engine = toy.build_engine(cfg)
     node_group = engine.optimizer.fcdp.topology.group
     world = dist.get_world_size()
@@ -89,4 +100,25 @@ def megatron(steps: int = 2, tp: int = 2, ranks_per_node: int = 4) -> dict:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
         res = toy.train(engine, steps, seed=tp_rank)
         out[name] = {"losses": res.losses, "stats": res.stats}
+    return out
+
+
+def batched(steps: int = 3, ranks_per_node: int = 2, break_kind: str = "", verify: bool = False) -> dict:
+    """LoRA through ``deepspeed.initialize`` (large release regime), ``miss_batch_bytes`` default and 0:
+    losses, weights, and inter-node all-gathers per optimizer step after the first."""
+    setup(ranks_per_node)
+    sabotage(break_kind)
+    sc = dict(lora_rank=2, steps=steps, eval=True)
+    out = {}
+    for name, extra in (("batched", {}), ("unbatched", {"miss_batch_bytes": 0})):
+        block = {"enabled": True, "ranks_per_node": ranks_per_node, "verify": verify, **extra}
+        engine = build(sc, _config(sc, block))
+        res = train(engine, sc)
+        calls = [s["inter_node_allgather_calls"] for s in res.step_stats]
+        res.extra["eval"] = toy.evaluate(engine, torch.randn(2, 32, generator=torch.Generator().manual_seed(7)))
+        weights = toy.gather_weights(engine)  # collective
+        out[name] = {"losses": res.losses, "eval": res.extra["eval"], "stats": res.stats,
+                     "weights": weights if dist.get_rank() == 0 else {},
+                     "allgathers_per_step": [b - a for a, b in zip(calls, calls[1:])],
+                     "adapted": sum(1 for p in engine.module.parameters() if p.requires_grad)}
     return out
