@@ -77,6 +77,16 @@ def test_hierarchical_miss_gather_reaches_the_bound():
     assert inter_node_bytes_per_step(one_node, "fcdp")["total"] == 0
 
 
+def test_intra_node_seconds_include_the_second_stage():
+    """The two-stage gather's node stage moves (L-1)/L of each missed parameter inside the node: the
+    planner's intra-node time grows by exactly that over the flat ring's (which adds nothing there)."""
+    kw = dict(params=1e9, nodes=2, ranks_per_node=4, dtype_bytes=2, grad_accum=1, intra_gbps=100)
+    hier, flat = plan(ClusterSpec(**kw))["engines"]["fcdp"], plan(ClusterSpec(**kw, param_gather="flat"))["engines"]["fcdp"]
+    stage2 = 2e9 * 3 / 4 / (100e9 / 8)  # every parameter is trainable: 2 GB missed once per step
+    assert hier["intra_node_seconds"] - flat["intra_node_seconds"] == pytest.approx(stage2)
+    assert hier["pcie_seconds"] == flat["pcie_seconds"]
+
+
 def test_plan_recommends_gradient_modes_where_they_help():
     paper = plan(ClusterSpec(params=30e9, nodes=4, ranks_per_node=8, grad_accum=8, dtype_bytes=2))
     block = paper["recommended_fcdp_block"]

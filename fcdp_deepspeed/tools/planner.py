@@ -147,9 +147,12 @@ def plan(spec: ClusterSpec) -> dict:
         per_uplink = nbytes["total"] / spec.nodes if spec.nodes > 1 else 0.0
         inter_s = per_uplink / (spec.inter_gbps * GBIT)
         # cache-served gathers: frozen every fetch (fwd+bwd), trainable all but the first forward
-        cached_fetch_bytes = (2 * ga * (m - t) + (2 * ga - 1) * t) if engine not in ("zero3", "bound") else 0.0
-        intra_s = cached_fetch_bytes * (L - 1) / L / (spec.intra_gbps * GBIT)
-        pcie_s = (cached_fetch_bytes / L + t / L) / (spec.pcie_gbps * GBIT) if cached else 0.0
+        hit_bytes = (2 * ga * (m - t) + (2 * ga - 1) * t) if engine not in ("zero3", "bound") else 0.0
+        intra_fetch_bytes = hit_bytes
+        if cached and spec.hierarchical_gather:  # misses: stage 2 of the two-stage gather runs inside the node
+            intra_fetch_bytes += nbytes["allgather"] / (spec.nodes - 1)  # stage 1 moved (N-1) x the missed bytes
+        intra_s = intra_fetch_bytes * (L - 1) / L / (spec.intra_gbps * GBIT)
+        pcie_s = (hit_bytes / L + t / L) / (spec.pcie_gbps * GBIT) if cached else 0.0
         if engine == "fcdp_node":  # stage 1 inside the node every micro-step, the fp32 buffer over PCIe
             intra_s += ga * t * (L - 1) / L / (spec.intra_gbps * GBIT)
             pcie_s += ga * grad_buffer_per_node / L / (spec.pcie_gbps * GBIT)
