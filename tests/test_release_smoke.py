@@ -45,6 +45,9 @@ def test_cache_bit_identical_and_inter_node_gathers_cut(smoke, name):
         p, f = (step_deltas(run, "inter_node_allgather_bytes") for run in (plain, fcdp))
         bound = 0.55 if name == "full" else 0.05  # LoRA: only the adapters cross nodes after step 1
         assert all(0 < fb <= bound * pb for pb, fb in zip(p[1:], f[1:])), (p, f)
+        assert fcdp.stats["param_gather"] == "hierarchical"
+        if name == "lora":  # the stale adapters are refilled together at the first miss of each later step
+            assert fcdp.stats["batched_refills"] == len(p) - 1, fcdp.stats["batched_refills"]
     plain_w, fcdp_w = smoke[0]["cache"][name]["plain"].weights, smoke[0]["cache"][name]["fcdp"].weights
     assert plain_w and all(torch.equal(plain_w[k], fcdp_w[k]) for k in plain_w)
 

@@ -73,7 +73,8 @@ class MissBatcher:
         for entry in entries:
             param = entry.param
             if (entry.state is not EntryState.EMPTY or param.ds_numel == 0
-                    or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE or _on_nvme(param)):
+                    or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE or _on_nvme(param)
+                    or getattr(param, "ds_active_sub_modules", None)):  # DeepSpeed refuses to free those
                 continue
             total += param.ds_numel * param.ds_tensor.element_size()
             if total > limit:
