@@ -133,7 +133,7 @@ def check_losses_match(rows: list[dict]) -> None:
 @pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json", "bench_gather_2x2_results.json",
                                   "bench_gather_2x4_results.json", "bench_gather_2x4_flat_results.json",
                                   "bench_defaults_lora10_results.json", "bench_defaults_lora10_r8_results.json",
-                                  "bench_defaults_full100_results.json"])
+                                  "bench_defaults_full100_results.json", "bench_defaults_lora10_repeat_results.json"])
 def test_committed_benchmark_run_matches_planner(name):
     path = ROOT / "docs" / name
     if not path.exists():
