@@ -180,8 +180,9 @@ class FetchPath:
         """Issue one coalesced gather: hits through DeepSpeed's node-group (hpZ) path, misses through
         the two-stage gather where it applies, else DeepSpeed's flat ring (the reason is counted)."""
         misses = [p for p in params if p.ds_secondary_tensor is None]
-        refilled = self.batcher.refill(misses, quantize) if self.batcher is not None and misses else None
-        batched = {p.ds_id for p in refilled or ()}
+        # qwZ-quantized gathers are refused by the config; a quantized call keeps its own path regardless
+        refilled = self.batcher.refill() if self.batcher is not None and misses and not quantize else []
+        batched = {p.ds_id for p in refilled}
         gathered = [p for p in misses if p.ds_id in batched]  # the batch filled their slots: hits now
         if gathered:
             hits = hits + [e for e in map(self.cache.entry, gathered) if e is not None]

@@ -28,7 +28,6 @@ same batch at the same fetch and issues the same collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -39,9 +38,8 @@ from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.stats import CacheCounters
 
 
-def _on_nvme(param: torch.nn.Parameter) -> bool:
-    location = getattr(param.ds_tensor, "final_location", None)
-    return getattr(location, "name", "") == "nvme"
+def _full_bytes(param: torch.nn.Parameter) -> int:
+    return param.ds_numel * param.ds_tensor.element_size()
 
 
 @dataclass(eq=False)
@@ -67,16 +65,16 @@ class MissBatcher:
             return []
         self._decided = self.cache.generation
         entries = sorted((e for e in self.cache.entries.values() if e.slot is not None), key=lambda e: e.param.ds_id)
-        cached = sum(e.param.ds_numel * e.param.ds_tensor.element_size() for e in entries)
+        cached = sum(_full_bytes(e.param) for e in entries)
         limit = min(self.max_bytes, cached // 4)  # a small part of the model changed, as in PEFT
         params, total = [], 0
         for entry in entries:
             param = entry.param
             if (entry.state is not EntryState.EMPTY or param.ds_numel == 0
-                    or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE or _on_nvme(param)
+                    or param.ds_status is not ZeroParamStatus.NOT_AVAILABLE
                     or getattr(param, "ds_active_sub_modules", None)):  # DeepSpeed refuses to free those
                 continue
-            total += param.ds_numel * param.ds_tensor.element_size()
+            total += _full_bytes(param)
             if total > limit:
                 return []
             params.append(param)
@@ -84,15 +82,13 @@ class MissBatcher:
             return []  # one parameter gathers alone anyway; unsupported ones take the ring one by one
         return params
 
-    def refill(self, misses: list[torch.nn.Parameter], quantize: bool) -> Optional[list[torch.nn.Parameter]]:
-        """At the first miss of a cache generation, gather the batch (if any) and fill its slots (collective
-        over the DP group; every rank decides the same, see [Note: agreement]). Returns the refilled
-        parameters, or ``None`` when nothing was batched."""
-        if quantize or not misses:
-            return None
+    def refill(self) -> list[torch.nn.Parameter]:
+        """Called at every miss (not quantized): at the first one of a cache generation, gather the batch
+        (if any) and fill its slots (collective over the DP group; every rank decides the same, see [Note:
+        agreement]). Returns the refilled parameters ([] when nothing was batched)."""
         params = self.batch()
         if not params:
-            return None
+            return []
         self.gather.issue(params).wait()  # AVAILABLE: param.data holds the full parameter
         for p in params:
             p.partition()  # DeepSpeed's release: the slot fills (NodeCache.on_partition), the full tensor is freed

@@ -19,10 +19,8 @@ def sabotage(kind: str) -> None:
     if kind == "no_permutation":  # read partitions in slot order as if it were DeepSpeed's rank order
         gather.slot_of_rank = lambda layout: tuple(range(layout.dp_size))
     elif kind == "batch_skips_gather":  # the batch marks slots filled from whatever they held (stale values)
-        def stale_refill(self, misses, quantize):
+        def stale_refill(self):
             params = self.batch()
-            if not params:
-                return None
             for p in params:
                 entry = self.cache.entry(p)
                 entry.state, p.ds_secondary_tensor = refill.EntryState.FILLED, entry.slot
