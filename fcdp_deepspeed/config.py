@@ -170,6 +170,13 @@ class FCDPConfig(DeepSpeedConfigModel):
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
 
+    param_compression: Literal["off", "int8", "int4"] = "off"
+    """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
+    grad_compression: Literal["off", "int8", "int4"] = "off"
+    """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
+    compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
+    """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing)."""
+
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the

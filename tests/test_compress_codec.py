@@ -1,0 +1,57 @@
+"""The blockwise codec of the compressed inter-node hop (``fcdp_deepspeed/compress/quant.py``): wire size,
+error bound, determinism, non-finite blocks. Single-process and fast; the distributed paths have their own tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fcdp_deepspeed.compress import BlockCodec, IdentityCodec, codec_for, wire_bytes
+from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+
+
+@pytest.mark.parametrize("name,qmax,per_elem", [("int8", 127, 1.0), ("int4", 7, 0.5)])
+@pytest.mark.parametrize("numel", [1, 127, 128, 1000, 4096])
+def test_roundtrip_error_is_half_a_step_per_block(name, qmax, per_elem, numel):
+    codec = codec_for(name, 128)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    packed, decoded = codec.roundtrip(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == codec.wire_numel(numel)
+    assert codec.wire_numel(numel) == codec.blocks(numel) * 4 + int(codec.blocks(numel) * 128 * per_elem)
+    blocks = torch.nn.functional.pad(x, (0, codec.blocks(numel) * 128 - numel)).view(-1, 128)
+    step = (blocks.abs().amax(1) / qmax).repeat_interleave(128)[:numel]
+    assert ((decoded - x).abs() <= step / 2 * (1 + 1e-6) + 1e-12).all()
+
+
+def test_decoding_is_deterministic_and_the_sender_decodes_its_bytes():
+    codec = codec_for("int4", 64)
+    x = torch.randn(999)
+    p1, d1 = codec.roundtrip(x)
+    assert torch.equal(d1, codec.decode(p1.clone(), 999))
+    assert torch.equal(p1, codec.encode(x.clone()))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_non_finite_block_decodes_to_nan_and_zero_block_to_zero(name):
+    codec = codec_for(name, 128)
+    x = torch.randn(384)
+    x[130] = float("inf")
+    out = codec.decode(codec.encode(x), 384)
+    assert torch.isnan(out[128:256]).all() and torch.isfinite(out[:128]).all() and torch.isfinite(out[256:]).all()
+    zeros = torch.zeros(200)
+    assert torch.equal(codec.decode(codec.encode(zeros), 200), zeros)
+
+
+def test_identity_codec_is_exact_and_wire_bytes_model():
+    ident = IdentityCodec("identity", 128)
+    x = torch.randn(77)
+    assert torch.equal(ident.decode(ident.encode(x), 77), x)
+    assert wire_bytes("off", 1000) == 4000
+    assert wire_bytes("int8", 1024) == 8 * 4 + 1024 and wire_bytes("int4", 1024) == 8 * 4 + 512
+    assert isinstance(codec_for("int8"), BlockCodec) and codec_for("off") is None
+
+
+def test_config_keys_default_off_and_odd_block_refused():
+    cfg = parse_fcdp_config({"fcdp": {"enabled": True}})
+    assert (cfg.param_compression, cfg.grad_compression, cfg.compression_block) == ("off", "off", 128)
+    with pytest.raises(FCDPConfigError, match="compression_block = 63"):
+        parse_fcdp_config({"fcdp": {"enabled": True, "compression_block": 63}})
