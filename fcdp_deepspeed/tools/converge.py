@@ -145,8 +145,6 @@ def _evaluate(engine, x, y, batch: int) -> tuple[float, int]:
 
 def rank_main(spec: dict, setting: str, dtype: str, kernel: bool = True) -> dict:
     """One setting on this rank; returns the setting's record (complete on rank 0)."""
-    import torch
-
     import deepspeed
     from deepspeed import comm as dist
 
@@ -334,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--eval-windows", type=int, default=d.eval_windows,
-                    help=f"held-out windows of --context bytes per intermediate evaluation (the last one uses all)")
+                    help="held-out windows of --context bytes per intermediate evaluation (the last one uses all)")
     ap.add_argument("--rate", type=float, default=d.rate_mbit, help="Mbit/s per node uplink, 0 = unlimited")
     ap.add_argument("--nodes", type=int, default=d.nodes)
     ap.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
