@@ -38,11 +38,12 @@ from typing import Optional, Sequence
 SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", "int4"),
             "pint8": ("int8", "off"), "pint4": ("int4", "off"), "gint8": ("off", "int8"), "gint4": ("off", "int4")}
 DTYPES = ("fp32", "bf16")
-#: Seconds per optimizer step (train + its share of the evaluations) and per launch, measured at the default
-#: sizes on the project's 2-core machine (see docs/BENCHMARKS.md); only for the first estimate of a sweep,
-#: which is replaced by what the sweep itself measures as soon as one setting has finished.
-EST_STEP_S = {"fp32": 0.55, "bf16": 0.55}
-EST_LAUNCH_S = 20.0
+#: Seconds per optimizer step and per setting's launch, evaluations and hashes, at the default sizes on the
+#: project's quiet 2-core machine: [Note: estimate] 0.22 CPU-seconds per rank per step were measured on a
+#: shared machine (4 ranks: 0.9 CPU-s, about 0.5 s on 2 idle cores), not yet a quiet-machine wall time. Only
+#: the first estimate of a sweep uses them; each finished setting's measured time replaces them.
+EST_STEP_S = {"fp32": 0.5, "bf16": 0.5}
+EST_LAUNCH_S = 35.0
 
 
 @dataclass
