@@ -66,7 +66,7 @@ def _record(setting: str, dtype: str, loss: float, nbytes: float, spec: converge
     return {"key": converge.setting_key(setting, dtype), "setting": setting, "dtype": dtype, "param_compression": p,
             "grad_compression": g, "fingerprint": spec.fingerprint(), "curve": curve, "final_heldout_loss": loss,
             "inter_node_bytes_per_step": nbytes, "step_time_median_s": 0.5, "wall_s": 10.0, "launch_wall_s": 12.0,
-            "bitwise_equal_across_ranks": True, "steps": 10, "params": 1_271_808, "nodes": 2, "world": 4,
+            "bitwise_equal_across_ranks": True, "steps": 10, "params": 1_332_640, "nodes": 2, "world": 4,
             "rate_mbit": 1000, "bytes_source": "kernel"}
 
 
