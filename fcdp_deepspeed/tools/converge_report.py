@@ -113,11 +113,14 @@ def plot(records: list[dict], path: Path) -> bool:
     for row, dtype in enumerate(dtypes):
         for r in (r for r in records if r["dtype"] == dtype):
             pts = [p for p in r["curve"] if not p["final"]]
+            end = r["curve"][-1]  # all held-out windows (x); the line: the same first windows at every point
             color, dash = _STYLE.get(r["setting"], ("tab:gray", "-."))
-            label = f"{r['setting']} (final {r['final_heldout_loss']:.3f})"
+            label = f"{r['setting']} (x: all held-out, {r['final_heldout_loss']:.3f})"
             axes[row][0].plot([p["step"] for p in pts], [p["heldout_loss"] for p in pts], dash, color=color, label=label)
             axes[row][1].plot([p["cumulative_inter_node_bytes"] / 1e6 for p in pts], [p["heldout_loss"] for p in pts],
                               dash, color=color, label=label)
+            axes[row][0].plot([end["step"]], [end["heldout_loss"]], "x", color=color)
+            axes[row][1].plot([end["cumulative_inter_node_bytes"] / 1e6], [end["heldout_loss"]], "x", color=color)
         source = "kernel-counted" if all(r.get("bytes_source") == "kernel" for r in records) else "FCDP-counted"
         for col, xlabel in ((0, "optimizer step"), (1, f"cumulative inter-node MB ({source}, train + eval)")):
             ax = axes[row][col]
