@@ -71,13 +71,18 @@ def test_ratios_floor_and_targets_on_made_up_rows():
     assert "| 100 Mbit/s | 4x2 | full | 1 | fcdp_int4 |" in md and "1.50 |" in md
 
 
-def test_preset_parts_are_valid_specs():
+def test_preset_parts_are_valid_specs_and_decide_every_target():
     names = {f.name for f in fields(bench.BenchSpec)}
+    decided = set()
     for part in PRESETS["compression"].values():
-        assert set(part) <= names and set(part["engines"]) <= set(bench.ALL_ENGINES)
-    covered = {(p["jobs"][0], rate, e) for p in PRESETS["compression"].values() for rate in p["rates_mbit"]
-               for e in p["engines"]}
-    assert {(job, rate, engine) for job, _, rate, engine, *_ in TARGETS} <= covered  # the preset decides every target
+        o = part.overrides
+        assert set(o) <= names and set(o["engines"]) <= set(bench.ALL_ENGINES)
+        bench.BenchSpec(**o).layout_list()
+        for t in TARGETS:
+            if t.metric in part.decides and t.job in o["jobs"] and t.rate_mbit in o["rates_mbit"] and t.engine in o["engines"]:
+                decided.add(t)
+    assert decided == set(TARGETS)
+    assert PRESETS["compression"]["bytes"].decides == ("bytes_vs_bound",)  # one repeat: never a throughput verdict
 
 
 def test_committed_rows_keep_their_ratios():

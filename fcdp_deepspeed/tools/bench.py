@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, EXACT_ENGINE, PRESETS, add_step_floor,
+from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, EXACT_ENGINE, PRESETS, _layout, add_step_floor,
                                                     compressed_blocks, parse_layouts, targets, targets_markdown)
 
 ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
@@ -310,10 +310,12 @@ def run_preset(name: str, base: BenchSpec, out_dir: Path, progress: bool = True)
     """Every sweep of ``PRESETS[name]`` (``base`` with that part's overrides) into ``out_dir/<part>``; the targets
     they decide, checked on all their rows together, in ``out_dir/targets.json`` and ``targets.md``."""
     rows: list[dict] = []
-    for part, overrides in PRESETS[name].items():
-        print(f"fcdp bench --preset {name}: part {part}", flush=True)
-        rows += run_bench(replace(base, **overrides), out_dir / part, progress=progress)
-    found = targets(rows)
+    found: list[dict] = []
+    for part_name, part in PRESETS[name].items():
+        print(f"fcdp bench --preset {name}: part {part_name}", flush=True)
+        part_rows = run_bench(replace(base, **part.overrides), out_dir / part_name, progress=progress)
+        rows += part_rows
+        found += [t | {"part": part_name} for t in targets(part_rows, part.decides)]
     (out_dir / "targets.json").write_text(json.dumps(found, indent=1))
     (out_dir / "targets.md").write_text(targets_markdown(found))
     return rows, found
@@ -378,10 +380,6 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path) -> None:
 
 def _rate_label(rate: float) -> str:
     return "unlimited" if not rate else (f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
-
-
-def _layout(r: dict) -> str:
-    return r.get("layout") or f"{r.get('nodes', 2)}x{r.get('world', 4) // r.get('nodes', 2)}"
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -14,7 +14,8 @@ its tx and rx payload, headers excluded; ``wire_frames_s`` includes headers and 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 #: Engine name -> (param_compression, grad_compression), each on top of ``fcdp_node`` (the exact defaults).
 COMPRESSED_ENGINES = {"fcdp_int8": ("int8", "int8"), "fcdp_int4": ("int4", "int4"),
@@ -49,28 +50,52 @@ def add_step_floor(rows: list[dict], key) -> list[dict]:
     return rows
 
 
-#: Issue 23's targets: (job, grad accumulation or None for any, rate, engine, metric, limit, "<=" or ">=").
+@dataclass(frozen=True)
+class Target:
+    """One of issue 23's targets: ``metric`` of ``engine``'s rows (``job``, ``rate``; ``grad_accum`` and
+    ``layout`` when given) compared with ``limit``."""
+
+    job: str
+    rate_mbit: float
+    engine: str
+    metric: str
+    limit: float
+    op: str  # "<=" or ">="
+    grad_accum: Optional[int] = None
+    layout: Optional[str] = None
+
+    def decides(self, r: dict) -> bool:
+        return ((r["job"], r["rate_mbit"], r["engine"]) == (self.job, self.rate_mbit, self.engine)
+                and self.grad_accum in (None, r.get("grad_accum", 1)) and self.layout in (None, _layout(r)))
+
+
+def _layout(r: dict) -> str:
+    """``"2x2"``: a row's layout (rows of runs before layouts were swept carry nodes and world only)."""
+    return r.get("layout") or f"{r.get('nodes', 2)}x{r.get('world', 4) // r.get('nodes', 2)}"
+
+
 TARGETS = (
-    ("full", None, 100, "fcdp_int4", "bytes_vs_bound", 0.25, "<="),
-    ("full", None, 100, "fcdp_int8", "bytes_vs_bound", 0.35, "<="),
-    ("full", 1, 100, "fcdp_int4", "speedup_vs_exact", 2.0, ">="),
-    ("lora", None, 10, "fcdp_int4", "bytes_vs_bound", 0.25, "<="),
-    ("lora", None, 10, "fcdp_int4", "step_vs_floor", 1.15, "<="),
+    Target("full", 100, "fcdp_int4", "bytes_vs_bound", 0.25, "<="),
+    Target("full", 100, "fcdp_int8", "bytes_vs_bound", 0.35, "<="),
+    Target("full", 100, "fcdp_int4", "speedup_vs_exact", 2.0, ">=", grad_accum=1, layout="2x2"),
+    Target("lora", 10, "fcdp_int4", "bytes_vs_bound", 0.25, "<=", layout="2x2"),
+    Target("lora", 10, "fcdp_int4", "step_vs_floor", 1.15, "<=", layout="2x2"),
 )
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """Every target of :data:`TARGETS` that ``rows`` can decide, one entry per matching row (layout, GA)."""
+def targets(rows: list[dict], metrics: Optional[Sequence[str]] = None) -> list[dict]:
+    """Every target of :data:`TARGETS` (of ``metrics`` only, if given) that ``rows`` can decide, one entry per
+    matching row (layout, GA)."""
     out = []
-    for job, ga, rate, engine, metric, limit, op in TARGETS:
-        for r in rows:
-            if (r["job"], r["rate_mbit"], r["engine"]) != (job, rate, engine) or (ga is not None and r.get("grad_accum", 1) != ga):
-                continue
-            value = r.get(metric)
-            met = None if value is None else (value <= limit if op == "<=" else value >= limit)
-            out.append({"job": job, "layout": r.get("layout", f"{r['nodes']}x{r['world'] // r['nodes']}"),
-                        "grad_accum": r.get("grad_accum", 1), "rate_mbit": rate, "engine": engine, "metric": metric,
-                        "target": f"{op} {limit:g}", "value": value, "met": met})
+    for t in TARGETS:
+        if metrics is not None and t.metric not in metrics:
+            continue
+        for r in (r for r in rows if t.decides(r)):
+            value = r.get(t.metric)
+            met = None if value is None else (value <= t.limit if t.op == "<=" else value >= t.limit)
+            out.append({"job": t.job, "layout": _layout(r), "grad_accum": r.get("grad_accum", 1),
+                        "rate_mbit": t.rate_mbit, "engine": t.engine, "metric": t.metric,
+                        "target": f"{t.op} {t.limit:g}", "value": value, "met": met})
     return out
 
 
@@ -86,18 +111,30 @@ def targets_markdown(found: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: ``fcdp bench --preset compression``: the three sweeps that decide :data:`TARGETS`, each a set of
-#: ``BenchSpec`` overrides (engines interleaved within each, in fresh processes).
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+@dataclass(frozen=True)
+class PresetPart:
+    """One sweep of a preset: ``BenchSpec`` overrides, and the target metrics its rows decide (a part with one
+    repeat and two timed steps decides bytes, never a throughput)."""
+
+    overrides: dict[str, Any]
+    decides: tuple[str, ...]
+
+
+#: ``fcdp bench --preset compression``: the three sweeps that decide :data:`TARGETS` (engines interleaved
+#: within each, in fresh processes).
+PRESETS: dict[str, dict[str, PresetPart]] = {
     "compression": {
         # bytes are kernel-counted and timing-independent: one repeat, two timed steps (as docs/BENCHMARKS.md's
         # parameter-gather runs)
-        "bytes": {"layouts": ["2x2", "2x4", "4x2"], "rates_mbit": [100], "jobs": ["full"], "grad_accums": [1, 4],
-                  "engines": ["fcdp_node", "fcdp_int8", "fcdp_int4"], "warmup": 1, "steps": 2, "repeats": 1},
-        "full100": {"rates_mbit": [100], "jobs": ["full"], "grad_accums": [1], "engines": ["fcdp_node", "fcdp_int4"],
-                    "warmup": 1, "steps": 4, "repeats": 3},
-        "lora10": {"rates_mbit": [10, 0], "jobs": ["lora"], "grad_accums": [1], "engines": ["fcdp_node", "fcdp_int4"],
-                   "warmup": 2, "steps": 5, "repeats": 2},
+        "bytes": PresetPart({"layouts": ["2x2", "2x4", "4x2"], "rates_mbit": [100], "jobs": ["full"],
+                             "grad_accums": [1, 4], "engines": ["fcdp_node", "fcdp_int8", "fcdp_int4"], "warmup": 1,
+                             "steps": 2, "repeats": 1}, decides=("bytes_vs_bound",)),
+        "full100": PresetPart({"rates_mbit": [100], "jobs": ["full"], "grad_accums": [1],
+                               "engines": ["fcdp_node", "fcdp_int4"], "warmup": 1, "steps": 4, "repeats": 3},
+                              decides=("speedup_vs_exact",)),
+        "lora10": PresetPart({"rates_mbit": [10, 0], "jobs": ["lora"], "grad_accums": [1],
+                              "engines": ["fcdp_node", "fcdp_int4"], "warmup": 2, "steps": 5, "repeats": 2},
+                             decides=("bytes_vs_bound", "step_vs_floor")),
     },
 }
 
