@@ -8,8 +8,8 @@ from dataclasses import fields
 import pytest
 
 from fcdp_deepspeed.tools import bench
-from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, parse_layouts, targets,
-                                                    targets_markdown)
+from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, compression_stats,
+                                                    parse_layouts, targets, targets_markdown)
 
 
 def test_compressed_engines_are_the_exact_defaults_plus_compression():
@@ -19,6 +19,15 @@ def test_compressed_engines_are_the_exact_defaults_plus_compression():
         assert {k: v for k, v in block.items() if "compression" not in k} == bench.FCDP_BLOCKS["fcdp_node"]
         assert (block["param_compression"], block["grad_compression"]) == (p, g)
     assert bench.ENGINES == ("zero3", "hpz", "fcdp", "fcdp_node")
+
+
+def test_compression_stats_whatever_the_engine_reports():
+    before = {"inter_node_param_compressed_bytes": 100, "cache_hits": 5, "grad_residual_rel_norm": 0.1}
+    after = {"inter_node_param_compressed_bytes": 500, "cache_hits": 9, "grad_residual_rel_norm": 0.2,
+             "param_compression": "int4"}
+    got = compression_stats(before, after, steps=4)
+    assert got == {"inter_node_param_compressed_bytes": 500, "inter_node_param_compressed_bytes_per_step": 100.0,
+                   "grad_residual_rel_norm": 0.2, "param_compression": "int4"}
 
 
 def test_layouts():

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, EXACT_ENGINE, PRESETS, _layout, add_step_floor,
-                                                    compressed_blocks, parse_layouts, targets, targets_markdown)
+                                                    compressed_blocks, compression_stats, parse_layouts, targets,
+                                                    targets_markdown)
 
 ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
@@ -189,7 +190,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "param_compression": (block or {}).get("param_compression", "off"),
             "grad_compression": (block or {}).get("grad_compression", "off"),
             "compression_block": s.compression_block if engine_name in COMPRESSED_ENGINES else None,
-            "compression_stats": {k: v for k, v in stats1.items() if "compress" in k},
+            "compression_stats": compression_stats(stats0, stats1, s.steps),
             # the busiest node uplink, per step: the step-time floor of a shaped link (bench_compression.py)
             "uplink_max_payload_bytes_per_step": max(max(u["tx_payload"], u["rx_payload"]) for u in links) / s.steps,
             "uplink_max_frame_bytes_per_step": max(max(u["tx_frames"], u["rx_frames"]) for u in links) / s.steps,

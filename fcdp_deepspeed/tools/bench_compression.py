@@ -31,6 +31,23 @@ def compressed_blocks(exact_block: dict) -> dict[str, dict]:
             for name, (p, g) in COMPRESSED_ENGINES.items()}
 
 
+#: ``get_stats`` keys of the compressed paths contain one of these.
+_STAT_WORDS = ("compress", "residual", "drift")
+
+
+def compression_stats(before: dict, after: dict, steps: int) -> dict:
+    """The compressed paths' ``get_stats`` keys, whatever the engine reports: each value after the timed steps,
+    and for counters (``*_bytes``, ``*_calls``, ``*_gathers``) also ``<key>_per_step`` over them."""
+    out: dict[str, Any] = {}
+    for k, v in after.items():
+        if not any(w in k for w in _STAT_WORDS):
+            continue
+        out[k] = v
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k.endswith(("_bytes", "_calls", "_gathers")):
+            out[f"{k}_per_step"] = (v - before.get(k, 0)) / steps
+    return out
+
+
 def add_step_floor(rows: list[dict], key) -> list[dict]:
     """``compute_s``, ``wire_s``, ``wire_frames_s`` and ``step_vs_floor`` on every measured row at a shaped
     rate whose engine also ran at rate 0 (see [Note: the step-time floor]); ``None`` otherwise."""
