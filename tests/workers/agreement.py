@@ -1,0 +1,114 @@
+"""Rank workers of test_agreement.py: every rank issues the same collectives in the same order.
+
+(a) a fetch mixing batched-refill hits with misses the two-stage gather does not serve (a parameter
+partitioned over an expert-data-parallel group, as DeepSpeed-MoE/AutoEP experts are);
+(b) data-parallel groups of different shapes in one job (groups are created on every rank alike).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.runtime.torch_autocast import PARAM_COMM_DTYPE_ATTR_NAME
+from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
+from deepspeed.utils import groups
+
+import fcdp_deepspeed
+from fcdp_deepspeed.tools import toy
+from workers.common import fcdp_block, setup
+
+#: Expert-parallel size of the MoE-like parameters: experts {0,1} | {2,3}, expert-DP groups {0,2} | {1,3}.
+EP_SIZE = 2
+
+
+#: Elements of the frozen gain: below ``MIN_NUMEL``, so FCDP never caches it (a miss at every fetch).
+GAIN_NUMEL = 16
+MIN_NUMEL = 32
+
+
+class ExpertBlock(toy.Block):
+    """A toy block whose own parameters (fetched together) are LoRA adapters (cached: the batched refill
+    serves them after a step), an "expert" weight partitioned over the expert-data-parallel group the way
+    DeepSpeed partitions AutoEP experts (``ds_zero_partition_process_group`` set before ``zero.Init``
+    converts it, ``engine._partition_autoep_zero3_experts``; each expert-parallel rank holds its own
+    expert), and a frozen gain with a bf16 communication dtype, marked as ``torch_autocast`` marks the
+    parameters of a lower-precision-safe module (``init_autocast_params``). The two-stage gather serves
+    neither of the last two."""
+
+    def __init__(self, hidden: int, lora_rank: int, expert_group, ep_rank: int) -> None:
+        super().__init__(hidden, lora_rank)
+        g = torch.Generator().manual_seed(100 + ep_rank)
+        self.expert = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.02)
+        self.expert.ds_zero_partition_process_group = expert_group
+        self.gain = torch.nn.Parameter(1 + torch.randn(GAIN_NUMEL, generator=g) * 0.1, requires_grad=False)
+        setattr(self.gain, PARAM_COMM_DTYPE_ATTR_NAME, torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x) + F.linear(x, self.expert)
+        return y * self.gain.repeat(y.shape[-1] // GAIN_NUMEL)
+
+
+class ExpertToy(toy.ToyModel):
+    def __init__(self, hidden: int, layers: int, lora_rank: int, expert_group, ep_rank: int) -> None:
+        super().__init__(hidden, layers, lora_rank)
+        self.blocks = torch.nn.ModuleList(ExpertBlock(hidden, lora_rank, expert_group, ep_rank) for _ in range(layers))
+        for name, p in self.named_parameters():  # the adapters and the experts train, the base is frozen
+            p.requires_grad = "lora_" in name or "expert" in name
+
+
+def _expert_engine(cfg: dict, layers: int):
+    fcdp_deepspeed.install()
+    name = f"ep_size_{EP_SIZE}"
+    if name not in groups._get_expert_data_parallel_group_dict():
+        groups._create_expert_and_data_parallel(EP_SIZE)  # collective over the world, once per job
+    ep_rank = dist.get_rank(group=groups._get_expert_parallel_group(name))
+    torch.manual_seed(0)
+    model = ExpertToy(32, layers, 2, groups._get_expert_data_parallel_group(name), ep_rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=copy.deepcopy(cfg))
+    return engine
+
+
+def _mixed_fetch(engine) -> dict:
+    """One fetch of the first block's own parameters after a step (adapters stale: the batched refill runs
+    and turns them into hits), in a different order on every rank, as the coordinator's set may hand
+    them: every value must equal DeepSpeed's flat gather of its partitions over its own group."""
+    block = engine.module.blocks[0]
+    params = [block.lora_a, block.lora_b, block.gain, block.expert]
+    shift = dist.get_rank() % len(params)
+    order = params[shift:] + params[:shift]
+    order[0].all_gather_coalesced(order).wait()
+    exact = {}
+    for name, p in (("lora_a", block.lora_a), ("lora_b", block.lora_b), ("gain", block.gain), ("expert", block.expert)):
+        world = dist.get_world_size(group=p.ds_process_group)
+        ref = torch.empty(p.ds_tensor.numel() * world, dtype=p.ds_tensor.dtype)
+        dist.all_gather_into_tensor(ref, p.ds_tensor.data, group=p.ds_process_group)
+        ref = ref[:p.ds_numel].to(get_allgather_dtype(p, p.ds_tensor)).to(p.dtype)
+        exact[name] = torch.equal(p.data.reshape(-1), ref)
+    for p in params:
+        p.partition()
+    return exact
+
+
+def expert_refill(steps: int = 2, layers: int = 2) -> dict:
+    """LoRA + expert + autocast-dtype parameters through ``deepspeed.initialize``, large release regime:
+    plain ZeRO-3 and FCDP (ZeRO-3's gradient sums, batched refill on, verify on): losses, weights,
+    stats; then a fetch mixing refilled hits with both kinds of unsupported misses, in rank-dependent
+    order, and an eval forward on both engines."""
+    setup(2)
+    out = {}
+    for name in ("plain", "fcdp"):
+        cfg = toy.ds_config(fcdp_block(2, verify=True, min_numel=MIN_NUMEL) if name == "fcdp" else None,
+                            regime="large")
+        engine = _expert_engine(cfg, layers)
+        res = toy.train(engine, steps)
+        exact = _mixed_fetch(engine)
+        evaluated = toy.evaluate(engine, torch.randn(2, 32, generator=torch.Generator().manual_seed(7)))
+        weights = toy.gather_weights(engine)
+        out[name] = {"losses": res.losses, "weights": weights, "stats": fcdp_deepspeed.get_stats(engine),
+                     "optimizer": type(engine.optimizer).__name__, "exact": exact, "eval": evaluated}
+    return out
