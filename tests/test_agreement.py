@@ -70,3 +70,23 @@ def test_refill_hits_mixed_with_unsupported_misses():
         assert set(stats["param_gather_fallbacks"]) == {"partitioned over another process group",
                                                         "autocast communication dtype"}
         assert stats["hierarchical_gathers"] > 0 and stats["verified_gathers"] > 0
+
+
+def test_data_parallel_groups_of_different_shapes():
+    """6 ranks, 2 per node, DP groups {0,1,2,3} (2 nodes x 2: two-stage gather and gradient modes) and
+    {4,5} (one node: DeepSpeed's paths): FCDP engines build on every rank, a world group created
+    afterwards works (every rank created the same groups), and training matches plain ZeRO-3. (Before,
+    only ranks 0-3 created node-peer groups: the world group after them hung.)"""
+    for rank, r in enumerate(run_ranks("agreement:uneven_dp", 6, timeout=600, dp_groups=[[0, 1, 2, 3], [4, 5]])):
+        plain, fcdp = r["plain"], r["fcdp"]
+        assert fcdp["optimizer"] == "FCDPStage3" and fcdp["groups_agree"] and plain["groups_agree"]
+        two_stage = rank < 4
+        assert fcdp["param_gather"] == ("hierarchical" if two_stage else "flat")
+        assert (fcdp["grad_reduce"], fcdp["grad_accumulation"]) == (("hierarchical", "node") if two_stage
+                                                                    else ("flat", "rank"))
+        for a, b in zip(plain["losses"], fcdp["losses"]):  # the gradient modes' tolerance (test_grads.RTOL)
+            assert abs(a - b) <= 1e-5 * abs(a), (plain["losses"], fcdp["losses"])
+        for key, w in plain["weights"].items():
+            assert (fcdp["weights"][key] - w).norm().item() <= 1e-5 * max(w.norm().item(), 1e-12), key
+            if not two_stage:
+                assert torch.equal(w, fcdp["weights"][key]), key  # DeepSpeed's own paths: bit for bit

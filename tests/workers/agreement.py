@@ -112,3 +112,85 @@ def expert_refill(steps: int = 2, layers: int = 2) -> dict:
         out[name] = {"losses": res.losses, "weights": weights, "stats": fcdp_deepspeed.get_stats(engine),
                      "optimizer": type(engine.optimizer).__name__, "exact": exact, "eval": evaluated}
     return out
+
+
+class StageMPU:
+    """The part of a Megatron-style ``mpu`` DeepSpeed reads, for data-parallel groups of different shapes
+    in one job (as pipeline stages spread over different numbers of nodes): ``dp_groups`` partitions the
+    world, tensor parallelism is 1. Every rank creates every group in the same order."""
+
+    def __init__(self, dp_groups: list[list[int]]) -> None:
+        rank = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            g = dist.new_group([r])
+            if r == rank:
+                self._tp = g
+        for ranks in dp_groups:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp, self._dp_ranks = g, ranks
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self):
+        return self._dp_ranks.index(dist.get_rank())
+
+    def get_data_parallel_world_size(self):
+        return len(self._dp_ranks)
+
+    def get_data_parallel_group_ranks(self):
+        return list(self._dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self._tp
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return dist.get_rank()
+
+
+def _world_group_works() -> bool:
+    """A group over every rank, created after the engines, reduces: every rank created the same number of
+    groups before it (torch names a group by a per-rank counter of ``new_group`` calls, so a rank that
+    skipped one would look for the new group under another name, and hang)."""
+    check = dist.new_group(list(range(dist.get_world_size())))
+    one = torch.ones(1)
+    dist.all_reduce(one, group=check)
+    return int(one.item()) == dist.get_world_size()
+
+
+def uneven_dp(dp_groups: list[list[int]], steps: int = 1, grad_accum: int = 2, modes: dict | None = None) -> dict:
+    """DP groups of different shapes (e.g. {0,1,2,3} on 2 nodes x 2, {4,5} on one node): each rank's group
+    trains its own toy model (as a pipeline stage would), with plain ZeRO-3 and with FCDP's defaults
+    (node-peer groups for the two-stage gather and the gradient modes where the group spans nodes); losses,
+    this rank's weights, the resolved modes, and whether a world group made afterwards works. ``modes``:
+    fcdp keys over the defaults (e.g. ``param_gather: flat`` leaves only the gradient modes' groups)."""
+    setup(2)
+    mpu = StageMPU(dp_groups)
+    fcdp_deepspeed.install()
+    seed = next(i for i, g in enumerate(dp_groups) if dist.get_rank() in g)
+    out = {}
+    for name in ("plain", "fcdp"):
+        block = {"enabled": True, "ranks_per_node": 2, **(modes or {})}
+        cfg = toy.ds_config(block if name == "fcdp" else None, regime="large",
+                            grad_accum=grad_accum)
+        torch.manual_seed(seed)
+        model = toy.ToyModel(32, 2)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=mpu)
+        groups_agree = _world_group_works()
+        res = toy.train(engine, steps)
+        stats = fcdp_deepspeed.get_stats(engine)
+        out[name] = {"losses": res.losses, "weights": toy.gather_weights(engine), "groups_agree": groups_agree,
+                     "optimizer": type(engine.optimizer).__name__,
+                     **{k: stats.get(k) for k in ("param_gather", "grad_reduce", "grad_accumulation")}}
+    return out
