@@ -154,6 +154,15 @@ class Topology:
     def spans_nodes(self, ranks: Iterable[int]) -> bool:
         return len({self.node_of_rank[r] for r in ranks}) > 1
 
+    @property
+    def dp_shapes(self) -> list[tuple[int, int]]:
+        """(nodes, ranks per node) of every DP group of the job, each once, sorted: the same on every rank."""
+        shapes = set()
+        for dp in self.dp_groups:
+            nodes = len({self.node_of_rank[r] for r in dp})
+            shapes.add((nodes, len(dp) // nodes))
+        return sorted(shapes)
+
 
 #: ProcessGroups created by FCDP, by rank tuple. Every rank creates the same groups in the same
 #: order, so a second engine over the same layout reuses them instead of creating new ones.
@@ -180,18 +189,20 @@ def discover_node_map(ranks_per_node: Optional[int] = None, dp_group: Any = None
                             f"Fix: set ranks_per_node to a divisor of {world}, or remove it to detect the layout.")
     ident = node_identity_from_env(os.environ, rank, ranks_per_node)
     gathered: list = [None] * world
-    ds_compat.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group)))
+    ds_compat.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group),
+                                           ident.source))
     node_of_rank = [""] * world
-    for r, node_id, _, _ in gathered:
+    for r, node_id, *_ in gathered:
         node_of_rank[r] = node_id
     counts: dict[str, int] = defaultdict(int)
     for node_id in node_of_rank:
         counts[node_id] += 1
-    for r, node_id, expected, _ in gathered:
-        if expected is not None and ident.source in (*NODE_INDEX_VARS, "hostname") and counts[node_id] != expected:
+    # each rank's own source, so every rank raises the same error or none (environments may differ per rank)
+    for r, node_id, expected, _, source in gathered:
+        if expected is not None and source in (*NODE_INDEX_VARS, "hostname") and counts[node_id] != expected:
             raise TopologyError(
                 f"rank {r}: the launcher says {expected} ranks run on its node but {counts[node_id]} ranks report "
-                f"node id {node_id!r} (from {ident.source}). Fix: set {NODE_ID_ENV} per node or fcdp.ranks_per_node.")
+                f"node id {node_id!r} (from {source}). Fix: set {NODE_ID_ENV} per node or fcdp.ranks_per_node.")
     return tuple(node_of_rank), ident.source, [g[3] for g in gathered]
 
 

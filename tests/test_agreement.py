@@ -11,10 +11,14 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import run_ranks
+from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+from fcdp_deepspeed.grads import build_reducer
 from fcdp_deepspeed.runtime.routing import Route, split_fetch
+from fcdp_deepspeed.topology import Topology
 
 
 class _Gather:
@@ -90,3 +94,17 @@ def test_data_parallel_groups_of_different_shapes():
             assert (fcdp["weights"][key] - w).norm().item() <= 1e-5 * max(w.norm().item(), 1e-12), key
             if not two_stage:
                 assert torch.equal(w, fcdp["weights"][key]), key  # DeepSpeed's own paths: bit for bit
+
+
+def test_a_refusal_for_one_dp_group_is_raised_on_every_rank():
+    """An explicit gradient mode that cannot run with the DeepSpeed config is refused where it would run
+    (2 nodes x 2); a rank of the one-node DP group raises the same error instead of going on alone (and
+    blocking at the next collective over the world). Pure: the refusal comes before any collective."""
+    topo = Topology(node_of_rank=("n0", "n0", "n1", "n1", "n2", "n2"), dp_ranks=(4, 5), node_ranks=(4, 5),
+                    source="test", dp_groups=((0, 1, 2, 3), (4, 5)))
+    assert topo.dp_shapes == [(1, 2), (2, 2)]
+    config = parse_fcdp_config({"fcdp": {"enabled": True, "grad_reduce": "hierarchical"}})
+    blocker = ("zero_optimization.zero_quantized_gradients (ZeRO++ qgZ) reduces with its own quantized all-to-all. "
+               "Fix: set it to false",)
+    with pytest.raises(FCDPConfigError, match="cannot run with this DeepSpeed config"):
+        build_reducer(config, topo, None, [], torch.float32, lambda: True, path_blockers=blocker)

@@ -47,10 +47,13 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
     stages would be one). With one micro-step per optimizer step every micro-step is a boundary, so the
     node buffer is only measured here; :meth:`GradReducer.plan_buffer` allocates it at the first
     micro-step that is not a boundary (``FCDPStage3._plan_buffer_if_window_grew``)."""
-    def resolve(fit: Optional[BufferFit] = None) -> GradPlan:
-        return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, topo.num_nodes, topo.ranks_per_node,
+    def resolve(fit: Optional[BufferFit] = None, shape: Optional[tuple[int, int]] = None) -> GradPlan:
+        nodes, per_node = shape or (topo.num_nodes, topo.ranks_per_node)
+        return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, nodes, per_node,
                                  accumulation_steps, path_blockers, accumulation_blockers, fit)
 
+    for shape in topo.dp_shapes:  # an explicit mode refused for any DP group is refused on every rank
+        resolve(shape=shape)  # (raises FCDPConfigError), not only on the ranks that would run it
     plan = resolve()
     reducer = None
     if plan.active:
