@@ -4,13 +4,14 @@
 DeepSpeed's coordinator hands a module's partitioned parameters to ``all_gather_coalesced`` in the
 iteration order of a set, which differs per rank (hashes are object addresses), split only into those
 with and without an hpZ secondary. DeepSpeed's gather then takes the hpZ node-group path or the flat
-ring from ``params[0]`` (``use_secondary_tensor``) before it sorts by ``ds_id``, and the group from
-``params[0]`` (0.16-0.18; 0.19 first splits by group, in the order the groups appear in the list).
+ring from ``params[0]`` (``use_secondary_tensor``) before it sorts by ``ds_id``; 0.19.8 first splits by
+group, in the order the groups appear in the list (0.18.9 gathers everything over the ``zero.Init``'s group).
 The batched refill (``refill.py``) turns some of a call's misses into cache hits after the coordinator
 split them, so a list handed to DeepSpeed whole could mix those hits with a miss the two-stage gather
 does not serve (another process group, as MoE experts have, or an autocast communication dtype): a
-rank whose list began with a hit gathered the miss from a secondary it does not have (a crash), one
-whose list began with the miss ran the flat ring (mismatched collectives: a hang).
+rank whose list began with a hit gathered the miss's W-way partition over the node group of L ranks
+(measured: a crash, "shape '[16]' is invalid for input of size 8"), one whose list began with the miss
+ran the flat ring (mismatched collectives: a hang).
 
 So every fetch is split here into parts that DeepSpeed (or the two-stage gather) routes one way each:
 one route (:class:`Route`), one process group, one fallback reason, sorted by ``ds_id``. Parts are
