@@ -73,7 +73,7 @@ def test_refill_hits_mixed_with_unsupported_misses():
         assert stats["batched_refills"] >= 2  # after the step and at the mixed fetch
         assert set(stats["param_gather_fallbacks"]) == {"partitioned over another process group",
                                                         "autocast communication dtype"}
-        assert stats["hierarchical_gathers"] > 0 and stats["verified_gathers"] > 0
+        assert stats["hierarchical_gathers"] > 0  # the adapters of step 1: not dragged to the flat ring
 
 
 def test_data_parallel_groups_of_different_shapes():

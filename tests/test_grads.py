@@ -341,10 +341,10 @@ def test_fp16_window_sums_do_not_overflow_where_zero3_does_not():
     forced overflow in step 1. Node accumulation skips the same steps with the same loss scales as ZeRO-3,
     and matches its losses and weights; casting window sums to fp16 first (the broken variant) skips
     step 0 and halves the loss scale, which ZeRO-3 does not."""
-    r = run_ranks("grads:fp16_window", 4, timeout=600, steps=3)[0]
+    r = run_ranks("grads:fp16_window", 4, timeout=600, steps=2)[0]
     plain, node, broken = r["plain"], r["node"], r["cast_first"]
     assert node["modes"] == ("hierarchical", "node") and node["optimizer"] == "FCDPStage3"
-    assert plain["skipped"] == [0, 1, 1] and plain["scale"] == [65536.0] * 3  # only the forced overflow
+    assert plain["skipped"] == [0, 1] and plain["scale"] == [65536.0] * 2  # only the forced overflow
     assert node["skipped"] == plain["skipped"] and node["scale"] == plain["scale"]
     for a, b in zip(plain["losses"], node["losses"]):
         assert abs(a - b) <= FP16_RTOL * abs(a), (plain["losses"], node["losses"])
