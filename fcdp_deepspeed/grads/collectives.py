@@ -46,12 +46,14 @@ class StageCollectives:
     def wire_dtype(self, comm_dtype: torch.dtype, window_sums: bool) -> torch.dtype:
         """The dtype stage 2 sends.
 
-        [Note: fp16 window sums] ZeRO-3 reduces each micro-step in the communication dtype and accumulates
-        in fp32: with gradients pre-divided by W, a micro-step's sum stays within the range of the
-        per-rank fp16 gradients. A window sum of K micro-steps (node accumulation) is up to K*L/W times
-        larger, so cast to fp16 it overflows where ZeRO-3 does not (a skipped step and a halved loss scale
-        ZeRO-3 would not have). So window sums travel in the accumulation dtype when the communication
-        dtype is fp16 (twice the bytes of that stage); bf16 has fp32's exponent range and stays."""
+        [Note: fp16 window sums] ZeRO-3 reduces each micro-step in the communication dtype and adds it into
+        its partitions in the accumulation dtype; gradients are pre-divided by W, so a micro-step's sum stays
+        within the range of the ranks' fp16 gradients. A node's window sum of K micro-steps is up to K*L/W
+        times that, so cast to fp16 it could overflow where ZeRO-3 accumulating in fp32 does not (a skipped
+        step and a halved loss scale ZeRO-3 would not have). So window sums travel in the accumulation dtype
+        when the communication dtype is fp16: twice that stage's bytes with fp32 accumulation, no change with
+        fp16 accumulation (DeepSpeed's default for fp16: ZeRO-3 accumulates its partitions in fp16 too; measured,
+        the same skipped steps). bf16 has fp32's exponent range and stays bf16."""
         return self.accumulation_dtype if window_sums and comm_dtype == torch.float16 else comm_dtype
 
     def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
