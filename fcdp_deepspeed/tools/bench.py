@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -503,6 +504,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
+    # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     unknown = sorted(set(args.engines.split(",")) - set(ALL_ENGINES))
     if unknown:
         ap.error(f"--engines: unknown {', '.join(unknown)} (choose from {', '.join(ALL_ENGINES)})")

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -355,6 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="simulate the nodes with ranks_per_node instead of network namespaces (no root; "
                          "bytes from FCDP's own counters, not the kernel)")
     args = ap.parse_args(argv)
+    # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
+    # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     unknown = sorted(set(args.settings.split(",")) - set(SETTINGS)) + sorted(set(args.dtypes.split(",")) - set(DTYPES))
     if unknown:
         ap.error(f"unknown setting or dtype: {', '.join(unknown)}")
