@@ -12,11 +12,10 @@ from fcdp_deepspeed.version_gate import check_deepspeed_version
 check_deepspeed_version()  # before anything below patches or subclasses DeepSpeed's internals
 
 import deepspeed  # noqa: E402
-import deepspeed.runtime.config as _config_module  # noqa: E402
 import deepspeed.runtime.engine as _engine_module  # noqa: E402
 import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
 
-from fcdp_deepspeed.engine_config import FCDPCheckedConfig, PlacementCheckedConfig  # noqa: E402
+from fcdp_deepspeed.engine_config import FCDPCheckedConfig, check_zero_init  # noqa: E402
 from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
 from fcdp_deepspeed.grads import uninstall_dispatch  # noqa: E402
 from fcdp_deepspeed.monitor import RecordingMonitorMaster  # noqa: E402
@@ -28,7 +27,6 @@ _ORIGINAL_STAGE3 = _stage3_module.DeepSpeedZeroOptimizer_Stage3
 _ORIGINAL_OFFLOAD = _engine_module.DeepSpeedZeRoOffload
 _ORIGINAL_MONITOR = _engine_module.MonitorMaster
 _ORIGINAL_CONFIG = deepspeed.DeepSpeedConfig
-_ORIGINAL_MODULE_CONFIG = _config_module.DeepSpeedConfig
 
 
 def install() -> None:
@@ -40,16 +38,15 @@ def install() -> None:
     looks both classes up in these modules when it builds a ZeRO-3 engine: the optimizer class
     (training) and the offload class (engines without an optimizer).
     ``deepspeed.initialize`` parses its config with :class:`~fcdp_deepspeed.engine_config.FCDPCheckedConfig`,
-    which refuses an enabled block under ZeRO stage 0-2, and ``zero.Init`` with
-    :class:`~fcdp_deepspeed.engine_config.PlacementCheckedConfig`, which (like it) refuses a block inside
-    ``zero_optimization`` or under a near-miss key. This is the core half of the public
+    which refuses an enabled block under ZeRO stage 0-2; it and ``zero.Init`` refuse a block inside
+    ``zero_optimization`` or under a near-miss key (``engine_config.check_zero_init``). This is the core half of the public
     ``fcdp_deepspeed.install()``, which also installs the integrations (HF Trainer stats callback).
     """
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = CountedStage3
     _engine_module.DeepSpeedZeRoOffload = CountedZeROOffload
     _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
-    _config_module.DeepSpeedConfig = PlacementCheckedConfig  # what zero.Init(config_dict_or_path=...) parses with
+    check_zero_init(True)  # zero.Init(config_dict_or_path=...): a misplaced or misspelled block, with the fix
 
 
 def uninstall() -> None:
@@ -58,7 +55,7 @@ def uninstall() -> None:
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
     deepspeed.DeepSpeedConfig = _ORIGINAL_CONFIG
-    _config_module.DeepSpeedConfig = _ORIGINAL_MODULE_CONFIG
+    check_zero_init(False)
     uninstall_dispatch()
 
 

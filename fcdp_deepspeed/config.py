@@ -35,7 +35,7 @@ def parse_verify(value: Any) -> Any:
         return value.strip().lower() == "true"
     try:
         rate = float(value) if isinstance(value, (int, float, str)) else math.nan
-    except ValueError:
+    except (ValueError, OverflowError):
         rate = math.nan
     if not 0.0 < rate <= 1.0:
         raise FCDPConfigError(f"fcdp.verify = {value!r}: expected true, false or a sampling rate in (0, 1] such as "

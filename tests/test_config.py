@@ -120,7 +120,10 @@ def test_hf_log_entries_from_stats():
     stats = {"inter_node_allgather_bytes": 10, "intra_node_allgather_bytes": 20, "host_cache_bytes": 3,
              "device_cache_bytes": 0, "cache_hits": 3, "cache_misses": 1, "other": 5}
     assert stats_for_logs(stats) == {"fcdp/inter_node_allgather_bytes": 10, "fcdp/intra_node_allgather_bytes": 20,
-                                     "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75}
+                                     "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75,
+                                     "fcdp/cache_hits": 3, "fcdp/cache_misses": 1}
+    from fcdp_deepspeed.monitor import monitor_events
+    assert {name for name, _, _ in monitor_events(stats, 1)} == set(stats_for_logs(stats))  # one set of names
     assert stats_for_logs({})["fcdp/cache_hit_rate"] == 0.0
 
     class Z3:

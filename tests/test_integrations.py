@@ -166,11 +166,13 @@ def test_policy_and_reference_models_in_one_process():
 def test_counters_written_to_deepspeed_monitor():
     with tempfile.TemporaryDirectory() as out_dir:
         run_ranks("integrations:monitor_csv", 4, out_dir=out_dir)
-        csv = Path(out_dir) / "fcdp" / "FCDP_inter_node_allgather_bytes.csv"
+        csv = Path(out_dir) / "fcdp" / "fcdp_inter_node_allgather_bytes.csv"  # the names HF logs get: fcdp/<key>
         rows = csv.read_text().strip().splitlines()
         assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
-        assert (Path(out_dir) / "fcdp" / "FCDP_cache_hit_rate.csv").exists()
-        assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
+        for key in ("cache_hit_rate", "inter_node_grad_reduce_bytes", "host_slot_bytes"):
+            assert (Path(out_dir) / "fcdp" / f"fcdp_{key}.csv").exists(), key
+        slots = (Path(out_dir) / "fcdp" / "fcdp_host_slot_bytes.csv").read_text().strip().splitlines()
+        assert all(float(row.split(",")[1]) > 0 for row in slots[1:])  # slots stay allocated across steps
 
 
 def test_layout_each_engine_is_counted_by():
