@@ -26,7 +26,7 @@ KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _config(tmp: Path, fcdp_block) -> str:
-    cfg = json.loads("\n".join(line.split("//")[0] for line in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
+    cfg = json.loads((ROOT / "configs" / "toy_fcdp.json").read_text())
     if fcdp_block is None:
         cfg.pop("fcdp")
     else:
@@ -99,8 +99,7 @@ def test_plain_hf_script_logs_fcdp_counters_under_both_launchers(tmp):
     ranks of torchrun and of the deepspeed launcher (2 ranks as 2 nodes: ``ranks_per_node`` 1)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    hf_config = json.loads("\n".join(line.split("//")[0] for line in
-                                     (ROOT / "configs" / "hf_full_fcdp.json").read_text().splitlines()))
+    hf_config = json.loads((ROOT / "configs" / "hf_full_fcdp.json").read_text())
     hf_config["fcdp"] = {"enabled": True, "ranks_per_node": 1}
     (tmp / "hf.json").write_text(json.dumps(hf_config))
     script = [str(ROOT / "examples" / "hf_gpt2_trainer.py"), "--deepspeed_config", str(tmp / "hf.json")]
