@@ -29,6 +29,8 @@ JOBS = (
     ("full, GA 4", 0, 4, {"ZeRO-3": None, "FCDP exact": ZERO3_GRADS, "FCDP": {}}),
 )
 KEYS = ("inter_node_allgather_bytes", "inter_node_grad_reduce_bytes")
+#: ``fcdp demo``'s defaults: what ``bash scripts/demo.sh`` runs and ``docs/demo_results.json`` recorded.
+DEFAULTS = {"steps": 5, "hidden": 256, "layers": 4}
 #: Also averaged per step (not part of the byte totals): the cache's lookups.
 CACHE_KEYS = ("cache_hits", "cache_misses")
 
@@ -91,9 +93,10 @@ def table(res: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = checks.parser("fcdp demo", __doc__)
-    ap.add_argument("--steps", type=checks.whole(2), default=5, help="optimizer steps per engine (bytes: steps 2..N)")
-    ap.add_argument("--hidden", type=checks.whole(1), default=256, help="toy model width")
-    ap.add_argument("--layers", type=checks.whole(1), default=4, help="toy model depth")
+    ap.add_argument("--steps", type=checks.whole(2), default=DEFAULTS["steps"],
+                    help="optimizer steps per engine (bytes: steps 2..N)")
+    ap.add_argument("--hidden", type=checks.whole(1), default=DEFAULTS["hidden"], help="toy model width")
+    ap.add_argument("--layers", type=checks.whole(1), default=DEFAULTS["layers"], help="toy model depth")
     ap.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
     args = ap.parse_args(argv)
     print(f"Training a {args.layers}-layer toy model on 4 CPU ranks = 2 simulated nodes x 2 ranks "
