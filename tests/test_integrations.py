@@ -170,8 +170,11 @@ def test_counters_written_to_deepspeed_monitor():
         assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
         for key in ("cache_hit_rate", "inter_node_grad_reduce_bytes", "host_slot_bytes"):
             assert (Path(out_dir) / "fcdp" / f"fcdp_{key}.csv").exists(), key
-        slots = (Path(out_dir) / "fcdp" / "fcdp_host_slot_bytes.csv").read_text().strip().splitlines()
-        assert all(float(row.split(",")[1]) > 0 for row in slots[1:])  # slots stay allocated across steps
+        host, device = ([float(row.split(",")[1]) for row in
+                         (Path(out_dir) / "fcdp" / f"fcdp_{p}_slot_bytes.csv").read_text().strip().splitlines()[1:]]
+                        for p in ("host", "device"))
+        # the slots stay allocated across steps (cache_device auto moves them to the device after step 2)
+        assert len(host) == 3 and all(h + d > 0 for h, d in zip(host, device)), (host, device)
 
 
 def test_layout_each_engine_is_counted_by():
