@@ -33,13 +33,13 @@ def _cache_words(runtime: Any) -> str:
     if topo.num_nodes == 1:
         return "no cache (one node: nothing to save across nodes)"
     where = {p.value: sum(e.nbytes for e in cached if e.placement is p) for p in Placement}
-    slots = ", ".join(f"{fmt_bytes(n)} {name}" for name, n in where.items() if n) or "0 B"
+    slots = " + ".join(f"{fmt_bytes(n)} {name}" for name, n in where.items() if n) or "0 B"
     host_node = allocation.host_budget * topo.ranks_per_node
     budget = f"host budget {fmt_bytes(host_node)} per node (fcdp.host_budget {runtime.config.host_budget!r})"
     if runtime.config.cache_device == "device":
         budget += f", device budget {fmt_bytes(allocation.device_budget)} per rank"
     return (f"cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of {len(entries)} parameters "
-            f"cached in {slots} of slots per rank")
+            f"cached, slots per rank: {slots}")
 
 
 def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:

@@ -44,7 +44,7 @@ def test_engine_line_names_layout_cache_gather_gradients_and_compression():
     line = engine_line(_runtime(FCDPConfig(enabled=True)), plan)
     assert line.startswith("fcdp: ON for this engine: 2 nodes x 2 ranks per node (from fcdp.ranks_per_node)")
     assert "cache_device auto, host budget 6.0 GiB per node (fcdp.host_budget '50%')" in line
-    assert "3 of 4 parameters cached in 3.0 MiB host of slots per rank" in line
+    assert "3 of 4 parameters cached, slots per rank: 3.0 MiB host;" in line
     assert "param_gather hierarchical; grad_reduce hierarchical, grad_accumulation node" in line
     assert "exact (param_compression and grad_compression off)" in line
     assert "no optimizer, no gradients" in engine_line(_runtime(FCDPConfig(enabled=True)), None)
