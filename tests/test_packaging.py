@@ -97,8 +97,9 @@ def stand_in_env(root: Path, dists: dict[str, str]) -> Path:
 
 
 def offline_pip_env() -> dict:
-    """No pip configuration (this machine's caps and indexes), no index: pip sees only what is installed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    """No pip configuration (this machine's caps and indexes), no index, no ``PYTHONPATH`` (a checkout's
+    ``*.egg-info`` on it counts as installed): pip sees only the stand-in environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
     return dict(env, PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
 
 
@@ -144,7 +145,8 @@ def test_git_url_install_resolves(tmp_path):
     report = tmp_path / "git.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--report", str(report),
            f"git+file://{ROOT}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on it would count as installed
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (item,) = json.loads(report.read_text())["install"]
     assert item["metadata"]["name"] == "fcdp-deepspeed" and item["metadata"]["version"] == __version__
