@@ -34,7 +34,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import device, ds_compat, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -135,6 +135,7 @@ class FCDPStage3(CountedStage3):
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config))
+        announce.announce(self.fcdp, self.fcdp_grad_plan)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
@@ -287,6 +288,7 @@ class FCDPZeROOffload(CountedZeROOffload):
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
     def checkpoint_event_prologue(self) -> None:

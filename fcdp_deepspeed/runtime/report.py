@@ -1,8 +1,8 @@
 """Reporting: one engine's stats dictionary, and its periodic log line and monitor events."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -14,6 +14,12 @@ from fcdp_deepspeed.monitor import monitor_events
 from fcdp_deepspeed.runtime.allocation import Allocation
 from fcdp_deepspeed.runtime.attach import Attachment
 from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
+
+
+def slot_bytes(cache: Any, placement: Placement) -> int:
+    """Bytes of the slots of this rank's cached parameters in ``placement``, filled or not (what the cache
+    holds after the first forward; ``held_bytes`` is what is valid now, 0 for trainable ones after a step)."""
+    return sum(e.nbytes for e in cache.entries.values() if e.state is not EntryState.DISABLED and e.placement is placement)
 
 
 @dataclass(eq=False)
@@ -28,6 +34,8 @@ class Report:
     log_interval: int
     #: The engine's own monitor, when enabled (see ``monitor.py``).
     monitor: Optional[MonitorMaster]
+    #: The stats of the last ``[fcdp]`` line: the line reports the interval since (see ``format_stats_line``).
+    last_reported: dict = field(default_factory=dict)
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
@@ -36,7 +44,8 @@ class Report:
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))
             if dist.get_rank() == 0:
-                logger.info(format_stats_line(stats))
+                logger.info(format_stats_line(stats, self.last_reported))
+            self.last_reported = stats
 
     def stats(self) -> dict:
         cache, topo, c = self.attachment.cache, self.attachment.topology, self.counters
@@ -61,6 +70,8 @@ class Report:
             "optimizer_steps": c.optimizer_steps,
             "host_cache_bytes": cache.held_bytes(Placement.HOST),
             "device_cache_bytes": cache.held_bytes(Placement.DEVICE),
+            "host_slot_bytes": slot_bytes(cache, Placement.HOST),
+            "device_slot_bytes": slot_bytes(cache, Placement.DEVICE),
             "host_pool_bytes": host_pool.nbytes if host_pool else 0,
             "device_pool_bytes": device_pool.nbytes if device_pool else 0,
             "pinned_pool_bytes": host_pool.pinned_nbytes if host_pool else 0,
