@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed import device, grads, strict_device
+from fcdp_deepspeed import device, grads, strict_device, strict_streams
 from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
@@ -55,6 +56,8 @@ def sabotage(kind: str) -> None:
 
 
 def _run(sc: dict, fcdp: bool) -> dict:
+    cpu = time.process_time()
+    strict_streams.MODEL.enabled = fcdp and os.environ.get("FCDP_TEST_TRACK", "1") == "1"  # the plain run: sync baseline only
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})} if fcdp else None
     engine = grad_workers.build(sc, grad_workers._config(sc, block))
     ga, hidden = engine.gradient_accumulation_steps(), sc.get("hidden", 32)
@@ -74,7 +77,7 @@ def _run(sc: dict, fcdp: bool) -> dict:
     weights = toy.gather_weights(engine)
     return {"losses": [float(v) for v in losses], "weights": weights if dist.get_rank() == 0 else {},
             "syncs": per_step, "stats": fcdp_deepspeed.get_stats(engine), "door": type(device.current()).__name__,
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "cpu_seconds": time.process_time() - cpu}
 
 
 def strict_runs(scenarios: list[dict], break_kind: str = "") -> dict:
