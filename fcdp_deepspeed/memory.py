@@ -180,3 +180,17 @@ def auto_device_headroom(total_bytes: int, peak_reserved_bytes: int) -> int:
     total minus the allocator's peak *reserved* memory (allocated + cached + fragmentation) minus
     :func:`device_margin`."""
     return max(0, total_bytes - peak_reserved_bytes - device_margin(total_bytes))
+
+
+def measured_device_headroom(total_bytes: int, peak_reserved_bytes: int, reserved_bytes: int,
+                             available_bytes: int) -> int:
+    """The accelerator bytes a cache may take after a measured step: :func:`auto_device_headroom`, less the
+    memory in use outside the caching allocator (``total - available - reserved`` now: the CUDA context,
+    NCCL's communicator buffers, other processes), which the allocator's peak cannot see."""
+    outside = max(0, total_bytes - available_bytes - reserved_bytes)
+    return max(0, auto_device_headroom(total_bytes, peak_reserved_bytes) - outside)
+
+
+def node_resident_bytes(rss_by_rank: list[int], node_of_rank: list[str] | tuple[str, ...], node: str) -> int:
+    """Resident memory of every rank on ``node`` (SLURM's limit is per node and reports no usage)."""
+    return sum(rss for rss, n in zip(rss_by_rank, node_of_rank) if n == node)
