@@ -23,7 +23,6 @@ cannot show up in a CPU test. The strict door tells the two memories apart:
 """
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from contextlib import contextmanager, nullcontext
@@ -101,7 +100,6 @@ class StrictDoor(device.Door):
 
     def __init__(self) -> None:
         self.default_stream = MODEL.default
-        self._side: dict[str, FakeStream] = {}
 
     def host_is_accel(self) -> bool:
         return False
@@ -182,9 +180,7 @@ class StrictDoor(device.Door):
         return MODEL.on(s, fcdp=True) if isinstance(s, FakeStream) else nullcontext()
 
     def side_stream(self, name: str) -> Any:
-        if name not in self._side:
-            self._side[name] = MODEL.new_stream(f"fcdp_{name}", fcdp=True)
-        return self._side[name]
+        return MODEL.side(name)
 
     def record_stream(self, t: torch.Tensor) -> None:
         MODEL.record_stream(t, MODEL.current())
@@ -216,14 +212,34 @@ _COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_gather_coalesced", 
                 "all_to_all_single", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "all_gather_base")
 
 
+#: Parameters of ``deepspeed.comm``'s backend collectives (deepspeed/comm/torch.py; its decorators hide them).
+_PARAMS = {
+    "all_reduce": ("tensor", "op", "group", "async_op"), "inference_all_reduce": ("tensor", "op", "group"),
+    "all_reduce_coalesced": ("tensors", "op", "group", "async_op"), "reduce": ("tensor", "dst", "op", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op"), "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_base": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_coalesced": ("output_tensors", "input_tensors", "group", "async_op"),
+    "reduce_scatter_tensor": ("output_tensor", "input_tensor", "op", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    "send": ("tensor", "dst", "group", "tag"), "recv": ("tensor", "src", "group", "tag"),
+    "isend": ("tensor", "dst", "group", "tag"), "irecv": ("tensor", "src", "group", "tag"),
+    "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
+    "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
+}
+
+
 def _guard(method: str, original: Any) -> Any:
-    signature = inspect.signature(original)
+    names = _PARAMS[method]
 
     def guarded(*args, **kwargs):
         if any(_is_host(t) for t in _tensors(args, kwargs)):
             raise HostTensorInCollective(f"fcdp: {call_site()[1]} handed a host tensor to {method} on an "
                                          f"accelerator-backend group")
-        bound = signature.bind(*args, **kwargs).arguments
+        bound = {**dict(zip(names, args)), **kwargs}
+        if method in ("isend", "irecv"):
+            bound["async_op"] = True
         return strict_streams.modeled_collective(method, bound, lambda: original(*args, **kwargs))
 
     guarded.__wrapped__ = original  # type: ignore[attr-defined]

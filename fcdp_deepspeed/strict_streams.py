@@ -88,18 +88,26 @@ class FakeStream:
 
 
 class FakeEvent:
-    """An event of the model: the clock of the stream it was recorded on, at that point."""
+    """An event of the model: the clock of the stream it was recorded on, at that point. ``query()`` answers
+    "not yet" the first time it is asked after a record (work just queued is rarely done), then "done", and
+    the host then knows it finished."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.clock: dict = {}
+        self.stream: Optional[FakeStream] = None
+        self._asked = False
 
     def record(self, stream: Any = None) -> None:
-        self.clock = (stream if isinstance(stream, FakeStream) else MODEL.current()).snapshot()
+        self.stream = stream if isinstance(stream, FakeStream) else MODEL.current()
+        self.clock, self._asked = self.stream.snapshot(), False
 
     def wait(self, stream: Any = None) -> None:
         (stream if isinstance(stream, FakeStream) else MODEL.current()).wait_event(self)
 
     def query(self) -> bool:
+        if not self._asked and self.clock:
+            self._asked = True
+            return False
         MODEL.wait(MODEL.host, self.clock)
         return True
 
@@ -170,6 +178,12 @@ class StreamClocks:
         with self.lock:
             self.streams.append(s)
         return s
+
+    def side(self, name: str) -> FakeStream:
+        """FCDP's own stream ``name`` (``device.side_stream``), one per process."""
+        with self.lock:
+            found = next((s for s in self.streams if s.fcdp and s.name == f"fcdp_{name}"), None)
+        return found or self.new_stream(f"fcdp_{name}", fcdp=True)
 
     def current(self) -> FakeStream:
         return getattr(self.local, "stream", None) or self.default
@@ -250,7 +264,7 @@ class StreamModel(StreamClocks):
                      alloc_site=call_site(2))
         self.records[storage] = rec
         if free_check and not host:
-            weakref.finalize(storage, self._freed, rec)
+            weakref.finalize(storage, self.freed, rec)
 
     def label(self, t: torch.Tensor, label: str) -> None:
         rec = self.records.get(_storage(t))
@@ -302,7 +316,7 @@ class StreamModel(StreamClocks):
         if rec is not None:
             rec.recorded.add(s)
 
-    def _freed(self, rec: Record) -> None:
+    def freed(self, rec: Record) -> None:
         """A door allocation's last view died: the caching allocator may hand it to new work on its stream."""
         for s, use in rec.uses.items():
             if s is rec.alloc or s.comm or s in rec.recorded or self.ordered(rec.alloc, use) or self.ordered(self.host, use):
@@ -460,12 +474,14 @@ class Tracker(TorchFunctionMode):
         stream = MODEL.host if host else MODEL.current()
         if fcdp or any(rec is not None for rec in touched):
             MODEL.access(stream, rs, ws, site, fcdp)
-            if fcdp:
+            if fcdp:  # FCDP's new tensors: tracked, and checked when freed
                 written_at = Access(stream, stream.pos, site, fcdp)
                 for storage, _, _ in outs:
                     if id(storage) not in inputs:
-                        MODEL.records[storage] = Record(label="tensor", alloc=stream, host=host, alloc_site=site,
-                                                        spans=[Span(0, storage.nbytes(), written_at, True)])
+                        rec = MODEL.records[storage] = Record(label="tensor", alloc=stream, host=host, alloc_site=site,
+                                                              spans=[Span(0, storage.nbytes(), written_at, True)])
+                        if not host:
+                            weakref.finalize(storage, MODEL.freed, rec)
         if name in _HOST_SYNC and not host:  # an implicit synchronize, whoever reads
             MODEL.wait(MODEL.host, stream.snapshot())
 
@@ -481,6 +497,13 @@ def track_this_thread() -> None:
         _TRACKER.__enter__()
 
 
+@contextmanager
+def tracking() -> Iterator[StreamModel]:
+    """The tracker for a block (in-process tests), violations raised."""
+    with Tracker():
+        yield MODEL
+
+
 # -- collectives ------------------------------------------------------------------------------------
 #: Argument names a collective writes (``tensor``/``tensors`` too for the in-place ones).
 _OUTPUTS = frozenset({"output_tensor", "output", "tensor_list", "output_tensors", "gather_list"})
@@ -491,8 +514,8 @@ _IN_PLACE = frozenset({"all_reduce", "inference_all_reduce", "all_reduce_coalesc
 class _Work:
     """A collective's handle: ``wait()`` makes the then-current stream wait for the collective's stream."""
 
-    def __init__(self, work: Any, event: FakeEvent) -> None:
-        self._work, self._event = work, event
+    def __init__(self, work: Any, event: FakeEvent, stream: FakeStream) -> None:
+        self._work, self._event, self.stream = work, event, stream
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         out = self._work.wait(*args, **kwargs) if self._work is not None else None
@@ -515,6 +538,7 @@ def _comm_stream(group: Any) -> FakeStream:
             ranks = id(group)
         s = _COMM[id(group)] = MODEL.new_stream(f"collectives{tuple(ranks) if isinstance(ranks, list) else ranks}",
                                                 comm=True)
+        s.ranks = tuple(ranks) if isinstance(ranks, list) else ()
     return s
 
 
@@ -534,7 +558,7 @@ def modeled_collective(method: str, bound: dict, call: Callable[[], Any]) -> Any
         work = call()
     event = comm.record_event()
     if bound.get("async_op"):
-        return _Work(work, event)
+        return _Work(work, event, comm)
     issuing.wait_event(event)
     return work
 
