@@ -106,6 +106,25 @@ def cgroup_headroom(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
     return [f for f in found if f is not None]
 
 
+def cgroup_current(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+                   proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> Optional[tuple[str, int]]:
+    """``(path, bytes)`` of this process's cgroup v2 ``memory.current`` (v1: ``memory.usage_in_bytes``), or
+    ``None`` where neither is readable. What the cgroup charges, page-locked memory included."""
+    root, paths = Path(cgroup_root), _cgroup_paths(Path(proc_cgroup))
+    candidates = []
+    if "" in paths:
+        for mount in (root, root / "unified"):
+            if (mount / "cgroup.controllers").exists():
+                candidates.append(_levels(mount, paths[""])[0] / "memory.current")
+    if "memory" in paths and (root / "memory").is_dir():
+        candidates.append(_levels(root / "memory", paths["memory"])[0] / "memory.usage_in_bytes")
+    for path in candidates:
+        value = _read_int(path)
+        if value is not None:
+            return str(path), value
+    return None
+
+
 def slurm_limit(environ: Mapping[str, str], used_bytes: int) -> Optional[tuple[str, int]]:
     """Headroom under the job's SLURM memory request (MB): ``SLURM_MEM_PER_NODE``, else
     ``SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE``, minus ``used_bytes``. ``None`` outside SLURM."""

@@ -36,7 +36,7 @@ from fcdp_deepspeed import comm_warmup, device
 from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.monitor import latest_monitor
-from fcdp_deepspeed.runtime.allocation import Allocation, pageable_warning, warn_if_nothing_cached
+from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather
@@ -124,9 +124,8 @@ class FCDPRuntime:
     def _warn_pageable_offload(self) -> None:
         """One warning (rank 0): DeepSpeed's offloaded partitions are pageable (its ``pin_memory`` defaults to
         false), so every copy of them to the accelerator, FCDP's two-stage gather's included, is synchronous."""
-        offload = (self.ds_config.get("zero_optimization") or {}).get("offload_param") or {}
-        if (str(offload.get("device", "none")) == "cpu" and not offload.get("pin_memory", False)
-                and device.pins_host_memory() and self.cache.entries and dist.get_rank() == 0):
+        if offloaded_pageable(self.ds_config) and device.pins_host_memory() and self.cache.entries and \
+                dist.get_rank() == 0:
             logger.warning(pageable_warning("zero_optimization.offload_param.pin_memory is false") +
                            " Set zero_optimization.offload_param.pin_memory: true for DeepSpeed's offloaded partitions.")
 

@@ -162,10 +162,18 @@ class Allocation:
         if pool is None or dist.get_rank() != 0:
             return
         if pool.pin:
-            logger.info(f"fcdp: pinned {fmt_bytes(pool.pinned_nbytes)} of host memory for the cache pool in "
-                        f"{pool.alloc_seconds:.2f} s ({len(pool.chunks)} chunks, pinning and zeroing)")
+            logger.info(f"fcdp: allocated {fmt_bytes(pool.nbytes)} of host memory for the cache pool "
+                        f"({fmt_bytes(pool.pinned_nbytes)} page-locked, {len(pool.chunks)} chunks) in "
+                        f"{pool.alloc_seconds:.2f} s, pinning and zeroing included")
         elif device.pins_host_memory():
             logger.warning(pageable_warning("fcdp.pin_memory is false"))
+
+
+def offloaded_pageable(ds_config: dict) -> bool:
+    """Whether DeepSpeed keeps the parameter partitions in pageable host memory (``offload_param`` to the CPU
+    with its ``pin_memory``, false by default)."""
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    return str(offload.get("device", "none")) == "cpu" and not offload.get("pin_memory", False)
 
 
 def pageable_warning(what: str) -> str:
