@@ -49,8 +49,9 @@ def test_device_mode_places_slices_on_the_accelerator_after_a_measured_step(mode
     r = modes[0]["device"]
     assert r.step_stats[0]["device_pool_bytes"] == 0 and r.step_stats[0]["host_pool_bytes"] == 12672
     assert r.step_stats[1]["device_pool_bytes"] == 12672 and r.stats["host_pool_bytes"] == 0
-    assert r.stats["device_headroom_bytes"] > 0 and r.stats["device_budget_bytes"] == r.stats["device_headroom_bytes"]
-    a = modes[0]["auto"].stats  # auto: half the headroom by default
+    m = r.stats["memory"]
+    assert m["device_headroom_bytes"] > 0 and m["device_budget_bytes"] == m["device_headroom_bytes"]
+    a = modes[0]["auto"].stats["memory"]  # auto: half the headroom by default
     assert 0 < a["device_budget_bytes"] <= a["device_headroom_bytes"] // 2 + 1
 
 
@@ -58,7 +59,7 @@ def test_memory_numbers_are_reported(modes):
     """Pinning time, and the node's resident memory (all its ranks: SLURM's limit is per node) identical on the
     ranks of one node (broken variant: each rank's own resident memory, as before, differs between them)."""
     for mode in ("host", "device", "auto"):
-        s = [r[mode].stats for r in modes]
+        s = [r[mode].stats["memory"] for r in modes]
         assert all(x["host_pool_alloc_seconds"] >= 0 and x["comm_warmup_seconds"] >= 0 for x in s)
         assert s[0]["node_resident_bytes"] == s[1]["node_resident_bytes"] > 0
         assert s[2]["node_resident_bytes"] == s[3]["node_resident_bytes"] > 0

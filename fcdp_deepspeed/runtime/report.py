@@ -85,9 +85,10 @@ class Report:
         return out
 
     def _memory_stats(self, host_pool: Optional[SlotPool]) -> dict:
-        """Pinning, the communicators' first use and the move to the accelerator (see docs/GPU.md)."""
+        """``memory``: pinning, the communicators' first use and the move to the accelerator (docs/GPU.md); one
+        dict, so per-engine byte counters (``*_bytes`` at the top level) stay counters."""
         p = self.promotion
-        return {
+        return {"memory": {
             "host_pool_alloc_seconds": round(host_pool.alloc_seconds, 4) if host_pool else 0.0,
             "host_pool_retired_bytes": sum(c.numel() * c.element_size() for c, _ in host_pool.retired) if host_pool else 0,
             "comm_warmup_bytes": dict(comm_warmup.MEASURED),
@@ -95,4 +96,4 @@ class Report:
             "node_resident_bytes": self.allocation.node_rss,
             "device_headroom_bytes": p.headroom if p is not None else None,
             "device_budget_bytes": p.budget if p is not None else None,
-        }
+        }}

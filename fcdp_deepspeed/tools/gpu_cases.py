@@ -137,8 +137,7 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
         if name == "host":  # one more step, traced: the two-stage gather's stages on real NCCL
             out[name]["gather_timeline"] = _traced_step(engine, hidden, per_node)
             stats = fcdp_deepspeed.get_stats(engine)
-            out[name]["stats"] = {k: stats.get(k) for k in ("comm_warmup_bytes", "host_pool_alloc_seconds",
-                                                            "pinned_pool_bytes", "hierarchical_gathers")}
+            out[name]["stats"] = {k: stats.get(k) for k in ("memory", "pinned_pool_bytes", "hierarchical_gathers")}
         del engine
     return out
 

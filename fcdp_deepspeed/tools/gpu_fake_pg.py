@@ -112,8 +112,8 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     stats = fcdp_deepspeed.get_stats(engine)
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
                                               "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
-                                              "grad_buffer_device_bytes", "grad_flushed", "host_pool_alloc_seconds",
-                                              "device_headroom_bytes", "device_budget_bytes", "hierarchical_gathers")}
+                                              "grad_buffer_device_bytes", "grad_flushed", "memory",
+                                              "hierarchical_gathers")}
     del engine, model
     return out
 
