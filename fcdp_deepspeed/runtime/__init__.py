@@ -92,9 +92,9 @@ class FCDPRuntime:
         # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
         self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
         cache, topo = self.attachment.cache, self.attachment.topology
-        gather = build_gather(self.config, topo)  # collective (peer groups)
+        gather = build_gather(self.config, topo)
         if topo.num_nodes > 1:  # before placement: NCCL's buffers exist when the cache is placed ([Note: why warm up])
-            comm_warmup.warm_up({"node": topo.group, "node_peers": gather.peer_group if gather is not None else None})
+            comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group if gather is not None else None})
         self.allocation = Allocation(self.config, self.dp_group, topo, cache)
         self.allocation.plan_and_allocate()
         self.allocation.log_pinning()
