@@ -134,7 +134,7 @@ class FCDPStage3(CountedStage3):
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
-            accumulation_blockers=grad_accumulation_blockers(ds_config))
+            accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
         announce.announce(self.fcdp, self.fcdp_grad_plan)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.

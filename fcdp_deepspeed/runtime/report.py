@@ -9,10 +9,12 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.cache import EntryState, Placement
+from fcdp_deepspeed import comm_warmup
+from fcdp_deepspeed.cache import EntryState, Placement, SlotPool
 from fcdp_deepspeed.monitor import monitor_events
 from fcdp_deepspeed.runtime.allocation import Allocation
 from fcdp_deepspeed.runtime.attach import Attachment
+from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
 
 
@@ -36,6 +38,7 @@ class Report:
     monitor: Optional[MonitorMaster]
     #: The stats of the last ``[fcdp]`` line: the line reports the interval since (see ``format_stats_line``).
     last_reported: dict = field(default_factory=dict)
+    promotion: Optional[Promotion] = None
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
@@ -87,6 +90,21 @@ class Report:
             "num_nodes": topo.num_nodes,
             "node_ranks": list(topo.node_ranks),
             "peak_device_memory_bytes": get_accelerator().max_memory_allocated(),
+            **self._memory_stats(host_pool),
         }
         out.update(self.comm.snapshot())
         return out
+
+    def _memory_stats(self, host_pool: Optional[SlotPool]) -> dict:
+        """``memory``: pinning, the communicators' first use and the move to the accelerator (docs/GPU.md); one
+        dict, so per-engine byte counters (``*_bytes`` at the top level) stay counters."""
+        p = self.promotion
+        return {"memory": {
+            "host_pool_alloc_seconds": round(host_pool.alloc_seconds, 4) if host_pool else 0.0,
+            "host_pool_retired_bytes": sum(c.numel() * c.element_size() for c, _ in host_pool.retired) if host_pool else 0,
+            "comm_warmup_bytes": dict(comm_warmup.MEASURED),
+            "comm_warmup_seconds": round(sum(comm_warmup.SECONDS), 4),
+            "node_resident_bytes": self.allocation.node_rss,
+            "device_headroom_bytes": p.headroom if p is not None else None,
+            "device_budget_bytes": p.budget if p is not None else None,
+        }}
