@@ -108,7 +108,7 @@ class FCDPRuntime:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
-                             self.monitor, self.promotion)
+                             self.monitor, promotion=self.promotion)
         return self
 
     # -- events (``stage3.py`` says which DeepSpeed event calls each) ---------------------------
