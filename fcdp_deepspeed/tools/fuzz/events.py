@@ -1,0 +1,253 @@
+"""The events of a sequence, applied to every engine in turn (rank side; every rank runs each one).
+
+Each event is what a training script, DeepSpeed or Hugging Face does to a running ZeRO-3 job, through
+the entry points users touch; it returns what each engine produced (losses, outputs) for ``checks.py``.
+Data depends only on the sequence (a micro-step counter and the rank), never on the engine.
+
+[Note: GA per step] ``train(micro=k)`` sets the accumulation steps to ``k`` with
+``engine.set_train_batch_size`` (what Megatron-DeepSpeed does between steps) and marks the last of the
+``k`` micro-steps as the boundary with ``set_gradient_accumulation_boundary``: a window is exactly the
+event, whatever the micro-steps before it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+from deepspeed import comm as dist
+
+from fcdp_deepspeed.tools.fuzz import engines as eng
+from fcdp_deepspeed.tools.fuzz.model import (HIDDEN, SEQ, VOCAB, hf_load_state_dict, modules_with_params,
+                                             resize_token_embeddings)
+
+#: What one engine produced in one event: losses (this rank's micro-steps), outputs, read checksums.
+Obs = dict[str, Any]
+
+
+@dataclass
+class Sequence:
+    """A sequence's engines and the state its events share (rank side)."""
+
+    kinds: tuple[eng.EngineKind, ...]
+    layout: eng.Layout
+    placement: dict
+    dtype: str
+    regime: str
+    zero_init: bool
+    workdir: str
+    built: list[eng.Built] = field(default_factory=list)
+    micro: int = 0  # micro-steps so far: the data of the next one
+    builds: int = 0  # engines built so far: the init seed of the next model
+    tags: dict[str, eng.Layout] = field(default_factory=dict)  # saved checkpoint tag -> its layout
+
+    @classmethod
+    def begin(cls, config: dict) -> "Sequence":
+        obj = [tempfile.mkdtemp(prefix="fcdp-events-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(obj, src=0)
+        seq = cls(kinds=tuple(eng.KINDS[k] for k in config["engines"]),
+                  layout=eng.Layout(VOCAB, config["mode"]), placement=dict(config["placement"]),
+                  dtype=config["dtype"], regime=config["regime"], zero_init=config["zero_init"], workdir=obj[0])
+        seq.rebuild(seq.layout, seq.placement, seq.zero_init)
+        return seq
+
+    def end(self) -> None:
+        self.built = []
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def rebuild(self, layout: eng.Layout, placement: dict, zero_init: bool,
+                prepare: Optional[Callable[[Optional[eng.Built], torch.nn.Module, dict], None]] = None) -> None:
+        """Fresh engines (same init on every kind); ``prepare(old, model, config)`` runs before ``initialize``."""
+        seed = 1000 * self.builds
+        self.builds += 1
+        old = self.built or [None] * len(self.kinds)
+        fresh = []
+        for kind, before in zip(self.kinds, old):
+            cfg = eng.ds_config(kind, placement, dtype=self.dtype, regime=self.regime)
+            model = eng.build_model(layout, cfg if zero_init else None, seed)
+            if prepare is not None:
+                prepare(before, model, cfg)
+            fresh.append(eng.initialize(kind, model, cfg))
+        self.built, self.layout, self.placement = fresh, layout, dict(placement)
+
+    def dir_of(self, b: eng.Built) -> str:
+        return os.path.join(self.workdir, b.kind.name)
+
+
+# -- data --------------------------------------------------------------------------------------------
+def batch(micro: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * dist.get_rank() + micro)
+    ids = torch.randint(0, vocab, (eng.MICRO_BATCH, SEQ), generator=g)
+    return ids, torch.randn(eng.MICRO_BATCH, SEQ, HIDDEN, generator=g)
+
+
+def probe_input(vocab: int) -> torch.Tensor:
+    """The same on every rank (rank lockstep compares the outputs)."""
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(12345))
+
+
+def evaluate(engine: Any, ids: torch.Tensor) -> torch.Tensor:
+    engine.eval()
+    with torch.no_grad():
+        out = engine(ids.to(engine.device)).detach().float().clone()
+    engine.train()
+    return out
+
+
+def _delta(shape: torch.Size, seed: int) -> torch.Tensor:
+    return 0.05 * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# -- events ------------------------------------------------------------------------------------------
+def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = False) -> dict[str, Obs]:
+    """One optimizer step of ``micro`` micro-steps ([Note: GA per step]); activation checkpointing
+    recomputes the blocks in backward when ``ckpt``; ``eval_between`` evaluates after the first micro-step."""
+    out = {}
+    for b in seq.built:
+        e = b.engine
+        e.set_train_batch_size(eng.MICRO_BATCH * e.dp_world_size * micro)
+        e.module.activation_checkpointing = ckpt
+        obs: Obs = {"losses": []}
+        for i in range(micro):
+            e.set_gradient_accumulation_boundary(i == micro - 1)
+            ids, y = batch(seq.micro + i, seq.layout.vocab)
+            loss = F.mse_loss(e(ids.to(e.device)).float(), y.to(e.device))
+            e.backward(loss)
+            e.step()
+            obs["losses"].append(loss.item())
+            if eval_between and i == 0 and micro > 1:
+                obs["outputs"] = evaluate(e, probe_input(seq.layout.vocab))
+        e.module.activation_checkpointing = False
+        out[b.kind.name] = obs
+    seq.micro += micro
+    return out
+
+
+def eval_(seq: Sequence) -> dict[str, Obs]:
+    """A ``no_grad`` forward in eval mode (an evaluation loop between steps)."""
+    ids = probe_input(seq.layout.vocab)
+    return {b.kind.name: {"outputs": evaluate(b.engine, ids)} for b in seq.built}
+
+
+def gathered_write(seq: Sequence, module: int, rank: int, seed: int = 0) -> dict[str, Obs]:
+    """``GatheredParameters(module params, modifier_rank=rank)``: that rank edits, DeepSpeed broadcasts."""
+    for b in seq.built:
+        _, mod = _module(b, module)
+        params = list(mod.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=rank):
+            if dist.get_rank() == rank:
+                with torch.no_grad():
+                    for i, p in enumerate(params):
+                        p.data.add_(_delta(p.shape, seed * 31 + i).to(p.dtype))
+    return {}
+
+
+def gathered_read(seq: Sequence, module: int) -> dict[str, Obs]:
+    """``GatheredParameters(module params)`` read only (``modifier_rank=None``): the gathered values."""
+    out = {}
+    for b in seq.built:
+        _, mod = _module(b, module)
+        params = list(mod.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params):
+            out[b.kind.name] = {"outputs": torch.cat([p.detach().float().reshape(-1) for p in params])}
+    return out
+
+
+def _state_dict_values(b: eng.Built, seed: int, subset: str) -> dict[str, torch.Tensor]:
+    """New values for the named parameters (``subset``: all, the adapters only, or the base only)."""
+    values = {}
+    for i, (name, p) in enumerate(sorted(b.engine.module.named_parameters())):
+        if subset == "all" or (subset == "lora") == ("lora_" in name):
+            values[name] = (0.2 * torch.randn(p.ds_shape, generator=torch.Generator().manual_seed(seed * 101 + i))
+                            ).to(p.dtype)
+    return values
+
+
+def hf_load(seq: Sequence, seed: int = 0, subset: str = "all") -> dict[str, Obs]:
+    """transformers' ZeRO-3 state-dict load into the running model (``model.hf_load_state_dict``)."""
+    for b in seq.built:
+        hf_load_state_dict(b.engine.module, _state_dict_values(b, seed, subset))
+    return {}
+
+
+def from_pretrained(seq: Sequence, resize: int = 0, style: str = "hf5", placement: Optional[dict] = None
+                    ) -> dict[str, Obs]:
+    """``save_pretrained`` + ``from_pretrained`` under ZeRO-3: each engine's 16-bit consolidated weights,
+    loaded HF-style into a model built under ``zero.Init``, optionally resized, then a new engine."""
+    for b in seq.built:
+        b.engine.save_16bit_model(seq.dir_of(b), "pretrained.bin")
+    dist.barrier()
+    old_layout = seq.layout
+    layout = eng.Layout(max(4, old_layout.vocab + resize), old_layout.mode)
+
+    def prepare(before: Optional[eng.Built], model: torch.nn.Module, cfg: dict) -> None:
+        state = torch.load(os.path.join(seq.dir_of(before), "pretrained.bin"), map_location="cpu")
+        hf_load_state_dict(model, state)
+        if layout.vocab != old_layout.vocab:
+            resize_token_embeddings(model, layout.vocab, style, cfg, seed=seq.builds)
+
+    seq.rebuild(old_layout, placement if placement is not None else seq.placement, zero_init=True, prepare=prepare)
+    seq.layout = layout
+    return {}
+
+
+def set_requires_grad(seq: Sequence, module: int, requires_grad: bool) -> dict[str, Obs]:
+    """Freeze or unfreeze one module's parameters between steps."""
+    for b in seq.built:
+        for p in _module(b, module)[1].parameters(recurse=False):
+            p.requires_grad = requires_grad
+    return {}
+
+
+def set_lr(seq: Sequence, lr: float) -> dict[str, Obs]:
+    for b in seq.built:
+        for group in b.engine.optimizer.param_groups:
+            group["lr"] = lr
+    return {}
+
+
+def save(seq: Sequence, tag: str) -> dict[str, Obs]:
+    for b in seq.built:
+        b.engine.save_checkpoint(seq.dir_of(b), tag=tag)
+    seq.tags[tag] = seq.layout
+    return {}
+
+
+def load(seq: Sequence, tag: str, fresh: bool = False, module_only: bool = False,
+         placement: Optional[dict] = None) -> dict[str, Obs]:
+    """``load_checkpoint`` into the running engines, or into fresh ones (the same layout, any placement).
+    A checkpoint of another layout (a resize since) always loads into fresh engines."""
+    layout = seq.tags[tag]
+    if fresh or layout != seq.layout:
+        seq.rebuild(layout, placement if placement is not None else seq.placement, seq.zero_init)
+    for b in seq.built:
+        b.engine.load_checkpoint(seq.dir_of(b), tag=tag, load_module_only=module_only)
+    return {}
+
+
+def save16(seq: Sequence) -> dict[str, Obs]:
+    """``save_16bit_model``: the 16-bit consolidation (``GatheredParameters`` per module, rank 0 writes)."""
+    for b in seq.built:
+        b.engine.save_16bit_model(seq.dir_of(b), "model16.bin")
+    return {}
+
+
+def _module(b: eng.Built, index: int) -> tuple[str, torch.nn.Module]:
+    mods = modules_with_params(b.engine.module)
+    return mods[index % len(mods)]
+
+
+#: Event name -> function (the driver sends names and keyword arguments).
+EVENTS: dict[str, Callable[..., dict[str, Obs]]] = {
+    "train": train, "eval": eval_, "gathered_write": gathered_write, "gathered_read": gathered_read,
+    "hf_load": hf_load, "from_pretrained": from_pretrained, "set_requires_grad": set_requires_grad,
+    "set_lr": set_lr, "save": save, "load": load, "save16": save16,
+}
