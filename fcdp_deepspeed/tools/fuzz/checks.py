@@ -9,7 +9,8 @@
   parameter's current value, its padding is zero, and DeepSpeed gathers from a secondary only for
   FILLED entries (no engine, plain or FCDP, may have a secondary FCDP does not own). This catches a
   missed invalidation at the event that missed it, before any forward reads the stale slice;
-- **rank lockstep**: outputs of the same input are identical on every rank (every engine kind).
+- **rank lockstep**: outputs of the same input are identical on every rank (every engine kind; the
+  server compares the digests of :func:`digests` across ranks).
 
 [Note: why not a probe forward after every event by default] A forward refills every stale entry, so
 the next event would always start from a full cache and never run the miss paths (two-stage gather,
@@ -18,7 +19,7 @@ batched refill) itself. Sequences draw ``probe``: with it, a probe forward follo
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,24 +30,25 @@ from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.events import Obs, Sequence, eval_
 
 
-def full_params(b: eng.Built) -> dict[str, torch.Tensor]:
-    """Every parameter's full flat value from its partitions: one all-gather per dtype, no cache."""
-    named = sorted(b.engine.module.named_parameters())
-    out: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list] = {}
-    for name, p in named:
-        by_dtype.setdefault(p.ds_tensor.dtype, []).append((name, p))
-    for dtype, items in by_dtype.items():
-        group = items[0][1].ds_process_group
+def full_params(built: list[eng.Built]) -> list[dict[str, torch.Tensor]]:
+    """Every engine's parameters, full and flat, from their partitions: one all-gather per dtype for all
+    engines together (every engine partitions over the same data-parallel group), no cache involved."""
+    items: dict[torch.dtype, list] = {}
+    for i, b in enumerate(built):
+        for name, p in sorted(b.engine.module.named_parameters()):
+            items.setdefault(p.ds_tensor.dtype, []).append((i, name, p))
+    out: list[dict[str, torch.Tensor]] = [{} for _ in built]
+    for dtype, group_items in items.items():
+        group = group_items[0][2].ds_process_group
         world = dist.get_world_size(group=group)
-        local = torch.cat([p.ds_tensor.detach().reshape(-1) for _, p in items])
+        local = torch.cat([p.ds_tensor.detach().reshape(-1) for _, _, p in group_items])
         gathered = torch.empty(world * local.numel(), dtype=dtype, device=local.device)
         dist.all_gather_into_tensor(gathered, local, group=group)
         rows = gathered.view(world, -1)
         offset = 0
-        for name, p in items:
+        for i, name, p in group_items:
             n = p.ds_tensor.numel()
-            out[name] = rows[:, offset:offset + n].reshape(-1)[:p.ds_numel].clone()
+            out[i][name] = rows[:, offset:offset + n].reshape(-1)[:p.ds_numel].clone()
             offset += n
     return out
 
@@ -93,7 +95,7 @@ def compare_observations(report: Report, seq: Sequence, obs: dict[str, Obs]) -> 
 
 def compare_state(report: Report, seq: Sequence) -> dict[str, dict[str, torch.Tensor]]:
     """Partitions, fp32 partitions and full parameters against ZeRO-3; returns every engine's full values."""
-    full = {b.kind.name: full_params(b) for b in seq.built}
+    full = {b.kind.name: values for b, values in zip(seq.built, full_params(seq.built))}
     ref = next((b for b in seq.built if b.kind.compare == "reference"), None)
     if ref is None:
         return full
@@ -142,21 +144,16 @@ def check_coherence(report: Report, b: eng.Built, full: dict[str, torch.Tensor])
             report.fail(b.kind.name, f"cache entry {pname}: padding past the parameter is not zero")
 
 
-def check_lockstep(report: Report, seq: Sequence, obs: dict[str, Obs]) -> None:
-    """Outputs of the same input (eval, probe, gathered reads) are identical on every rank."""
-    digests = {f"{name}.{key}": hashlib.sha1(v.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-               for name, o in sorted(obs.items()) for key, v in sorted(o.items())
-               if key != "losses" and isinstance(v, torch.Tensor) and not key.startswith("train_")}
-    everyone: list[Optional[dict]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digests)
-    for key, digest in digests.items():
-        others = [r for r, d in enumerate(everyone) if d.get(key) != digest]
-        if others:
-            report.fail(key.split(".")[0], f"{key} differs between ranks {dist.get_rank()} and {others}")
+def digests(obs: dict[str, Obs]) -> dict[str, str]:
+    """Digests of the outputs of inputs that are the same on every rank (the server compares them across
+    ranks: ``server.lockstep_failures``)."""
+    return {f"{name}.{key}": hashlib.sha1(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, o in sorted(obs.items()) for key, v in sorted(o.items())
+            if key != "losses" and isinstance(v, torch.Tensor)}
 
 
-def check(seq: Sequence, event: str, obs: dict[str, Obs], probe: bool) -> list[str]:
-    """Everything above after one event; returns this rank's failures (the server collects them)."""
+def check(seq: Sequence, event: str, obs: dict[str, Obs], probe: bool) -> tuple[list[str], dict[str, str]]:
+    """Everything above after one event; returns this rank's failures and its output digests."""
     report = Report(event)
     if probe:
         for name, o in eval_(seq).items():
@@ -165,5 +162,4 @@ def check(seq: Sequence, event: str, obs: dict[str, Obs], probe: bool) -> list[s
     full = compare_state(report, seq)
     for b in seq.built:
         check_coherence(report, b, full[b.kind.name])
-    check_lockstep(report, seq, obs)
-    return report.failures
+    return report.failures, digests(obs)

@@ -57,10 +57,11 @@ KINDS: dict[str, EngineKind] = {k.name: k for k in (
 
 @dataclass(frozen=True)
 class Layout:
-    """What a checkpoint's optimizer state depends on: vocabulary size and the trainable set at build."""
+    """What a checkpoint's optimizer state depends on: the model's shape and the trainable set at build."""
 
     vocab: int
-    mode: str  # "full" | "lora"
+    mode: str  # "full" | "lora" | "partial" (model.set_trainable)
+    layers: int = 2
 
 
 @dataclass
@@ -88,9 +89,9 @@ def build_model(layout: Layout, cfg: Optional[dict], seed: int) -> EventModel:
     torch.manual_seed(seed)
     if cfg is not None:
         with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = EventModel(vocab=layout.vocab)
+            model = EventModel(vocab=layout.vocab, layers=layout.layers)
     else:
-        model = EventModel(vocab=layout.vocab)
+        model = EventModel(vocab=layout.vocab, layers=layout.layers)
     set_trainable(model, layout.mode)
     return model
 

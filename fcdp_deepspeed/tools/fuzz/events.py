@@ -11,11 +11,12 @@ event, whatever the micro-steps before it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,21 @@ from deepspeed import comm as dist
 
 from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.model import (HIDDEN, SEQ, VOCAB, hf_load_state_dict, modules_with_params,
-                                             resize_token_embeddings)
+                                             resize_token_embeddings, set_trainable)
 
-#: What one engine produced in one event: losses (this rank's micro-steps), outputs, read checksums.
+#: What one engine produced in one event: losses (this rank's micro-steps), outputs, gathered values.
 Obs = dict[str, Any]
+
+
+class Unsupported(Exception):
+    """Plain ZeRO-3 itself raised in this event: DeepSpeed does not support the sequence (it is discarded).
+
+    [Note: unsupported sequences] Each event runs on the reference engine first; what it cannot do
+    (e.g. DeepSpeed 0.19.8's ``load_checkpoint`` looks frozen parameters up by their *current*
+    ``requires_grad``, so a parameter frozen after the save raises ``KeyError``) is no test of FCDP. The
+    driver discards the sequence and counts the reason; an FCDP engine raising where ZeRO-3 did not is a
+    failure.
+    """
 
 
 @dataclass
@@ -52,9 +64,11 @@ class Sequence:
         obj = [tempfile.mkdtemp(prefix="fcdp-events-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0)
         seq = cls(kinds=tuple(eng.KINDS[k] for k in config["engines"]),
-                  layout=eng.Layout(VOCAB, config["mode"]), placement=dict(config["placement"]),
+                  layout=eng.Layout(VOCAB, config["mode"], config.get("layers", 2)), placement=dict(config["placement"]),
                   dtype=config["dtype"], regime=config["regime"], zero_init=config["zero_init"], workdir=obj[0])
         seq.rebuild(seq.layout, seq.placement, seq.zero_init)
+        if config.get("initial_tag"):
+            save(seq, config["initial_tag"])
         return seq
 
     def end(self) -> None:
@@ -71,15 +85,35 @@ class Sequence:
         old = self.built or [None] * len(self.kinds)
         fresh = []
         for kind, before in zip(self.kinds, old):
-            cfg = eng.ds_config(kind, placement, dtype=self.dtype, regime=self.regime)
-            model = eng.build_model(layout, cfg if zero_init else None, seed)
-            if prepare is not None:
-                prepare(before, model, cfg)
-            fresh.append(eng.initialize(kind, model, cfg))
+            with _reference_guard(kind):
+                cfg = eng.ds_config(kind, placement, dtype=self.dtype, regime=self.regime)
+                model = eng.build_model(layout, cfg if zero_init else None, seed)
+                if prepare is not None:
+                    prepare(before, model, cfg)
+                fresh.append(eng.initialize(kind, model, cfg))
         self.built, self.layout, self.placement = fresh, layout, dict(placement)
 
     def dir_of(self, b: eng.Built) -> str:
         return os.path.join(self.workdir, b.kind.name)
+
+    def each(self, fn: Callable[[eng.Built], Obs]) -> dict[str, Obs]:
+        """``fn`` on every engine, the reference first ([Note: unsupported sequences])."""
+        out = {}
+        for b in self.built:
+            with _reference_guard(b.kind):
+                out[b.kind.name] = fn(b) or {}
+        return out
+
+
+@contextlib.contextmanager
+def _reference_guard(kind: eng.EngineKind) -> Iterator[None]:
+    """Turn an exception of the reference engine into :class:`Unsupported`."""
+    try:
+        yield
+    except Exception as err:
+        if kind.compare != "reference":
+            raise
+        raise Unsupported(f"{type(err).__name__}: {str(err)[:200]}") from err
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -110,8 +144,7 @@ def _delta(shape: torch.Size, seed: int) -> torch.Tensor:
 def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = False) -> dict[str, Obs]:
     """One optimizer step of ``micro`` micro-steps ([Note: GA per step]); activation checkpointing
     recomputes the blocks in backward when ``ckpt``; ``eval_between`` evaluates after the first micro-step."""
-    out = {}
-    for b in seq.built:
+    def step(b: eng.Built) -> Obs:
         e = b.engine
         e.set_train_batch_size(eng.MICRO_BATCH * e.dp_world_size * micro)
         e.module.activation_checkpointing = ckpt
@@ -126,7 +159,9 @@ def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = Fa
             if eval_between and i == 0 and micro > 1:
                 obs["outputs"] = evaluate(e, probe_input(seq.layout.vocab))
         e.module.activation_checkpointing = False
-        out[b.kind.name] = obs
+        return obs
+
+    out = seq.each(step)
     seq.micro += micro
     return out
 
@@ -134,31 +169,29 @@ def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = Fa
 def eval_(seq: Sequence) -> dict[str, Obs]:
     """A ``no_grad`` forward in eval mode (an evaluation loop between steps)."""
     ids = probe_input(seq.layout.vocab)
-    return {b.kind.name: {"outputs": evaluate(b.engine, ids)} for b in seq.built}
+    return seq.each(lambda b: {"outputs": evaluate(b.engine, ids)})
 
 
 def gathered_write(seq: Sequence, module: int, rank: int, seed: int = 0) -> dict[str, Obs]:
     """``GatheredParameters(module params, modifier_rank=rank)``: that rank edits, DeepSpeed broadcasts."""
-    for b in seq.built:
-        _, mod = _module(b, module)
-        params = list(mod.parameters(recurse=False))
+    def write(b: eng.Built) -> Obs:
+        params = list(_module(b, module)[1].parameters(recurse=False))
         with deepspeed.zero.GatheredParameters(params, modifier_rank=rank):
             if dist.get_rank() == rank:
                 with torch.no_grad():
                     for i, p in enumerate(params):
                         p.data.add_(_delta(p.shape, seed * 31 + i).to(p.dtype))
-    return {}
+        return {}
+    return seq.each(write)
 
 
 def gathered_read(seq: Sequence, module: int) -> dict[str, Obs]:
     """``GatheredParameters(module params)`` read only (``modifier_rank=None``): the gathered values."""
-    out = {}
-    for b in seq.built:
-        _, mod = _module(b, module)
-        params = list(mod.parameters(recurse=False))
+    def read(b: eng.Built) -> Obs:
+        params = list(_module(b, module)[1].parameters(recurse=False))
         with deepspeed.zero.GatheredParameters(params):
-            out[b.kind.name] = {"outputs": torch.cat([p.detach().float().reshape(-1) for p in params])}
-    return out
+            return {"outputs": torch.cat([p.detach().float().reshape(-1) for p in params])}
+    return seq.each(read)
 
 
 def _state_dict_values(b: eng.Built, seed: int, subset: str) -> dict[str, torch.Tensor]:
@@ -173,26 +206,24 @@ def _state_dict_values(b: eng.Built, seed: int, subset: str) -> dict[str, torch.
 
 def hf_load(seq: Sequence, seed: int = 0, subset: str = "all") -> dict[str, Obs]:
     """transformers' ZeRO-3 state-dict load into the running model (``model.hf_load_state_dict``)."""
-    for b in seq.built:
-        hf_load_state_dict(b.engine.module, _state_dict_values(b, seed, subset))
-    return {}
+    return seq.each(lambda b: hf_load_state_dict(b.engine.module, _state_dict_values(b, seed, subset)) or {})
 
 
 def from_pretrained(seq: Sequence, resize: int = 0, style: str = "hf5", placement: Optional[dict] = None
                     ) -> dict[str, Obs]:
     """``save_pretrained`` + ``from_pretrained`` under ZeRO-3: each engine's 16-bit consolidated weights,
     loaded HF-style into a model built under ``zero.Init``, optionally resized, then a new engine."""
-    for b in seq.built:
-        b.engine.save_16bit_model(seq.dir_of(b), "pretrained.bin")
+    seq.each(lambda b: b.engine.save_16bit_model(seq.dir_of(b), "pretrained.bin") and {})
     dist.barrier()
     old_layout = seq.layout
-    layout = eng.Layout(max(4, old_layout.vocab + resize), old_layout.mode)
+    layout = eng.Layout(max(4, old_layout.vocab + resize), old_layout.mode, old_layout.layers)
 
     def prepare(before: Optional[eng.Built], model: torch.nn.Module, cfg: dict) -> None:
         state = torch.load(os.path.join(seq.dir_of(before), "pretrained.bin"), map_location="cpu")
         hf_load_state_dict(model, state)
         if layout.vocab != old_layout.vocab:
             resize_token_embeddings(model, layout.vocab, style, cfg, seed=seq.builds)
+            set_trainable(model, layout.mode)  # a new nn.Embedding requires grad: adapters go on after a resize
 
     seq.rebuild(old_layout, placement if placement is not None else seq.placement, zero_init=True, prepare=prepare)
     seq.layout = layout
@@ -201,43 +232,43 @@ def from_pretrained(seq: Sequence, resize: int = 0, style: str = "hf5", placemen
 
 def set_requires_grad(seq: Sequence, module: int, requires_grad: bool) -> dict[str, Obs]:
     """Freeze or unfreeze one module's parameters between steps."""
-    for b in seq.built:
+    def flip(b: eng.Built) -> Obs:
         for p in _module(b, module)[1].parameters(recurse=False):
             p.requires_grad = requires_grad
-    return {}
+        return {}
+    return seq.each(flip)
 
 
 def set_lr(seq: Sequence, lr: float) -> dict[str, Obs]:
-    for b in seq.built:
+    def set_(b: eng.Built) -> Obs:
         for group in b.engine.optimizer.param_groups:
             group["lr"] = lr
-    return {}
+        return {}
+    return seq.each(set_)
 
 
 def save(seq: Sequence, tag: str) -> dict[str, Obs]:
-    for b in seq.built:
-        b.engine.save_checkpoint(seq.dir_of(b), tag=tag)
+    out = seq.each(lambda b: b.engine.save_checkpoint(seq.dir_of(b), tag=tag) and {})
     seq.tags[tag] = seq.layout
-    return {}
+    return out
 
 
-def load(seq: Sequence, tag: str, fresh: bool = False, module_only: bool = False,
+def load(seq: Sequence, tag: str, fresh: bool = False, warm: bool = False, module_only: bool = False,
          placement: Optional[dict] = None) -> dict[str, Obs]:
-    """``load_checkpoint`` into the running engines, or into fresh ones (the same layout, any placement).
-    A checkpoint of another layout (a resize since) always loads into fresh engines."""
+    """``load_checkpoint`` into the running engines, or into fresh ones (the same layout, any placement;
+    ``warm``: after one eval forward, as a script that evaluates before it resumes). A checkpoint of another
+    layout (a resize since) always loads into fresh engines."""
     layout = seq.tags[tag]
     if fresh or layout != seq.layout:
         seq.rebuild(layout, placement if placement is not None else seq.placement, seq.zero_init)
-    for b in seq.built:
-        b.engine.load_checkpoint(seq.dir_of(b), tag=tag, load_module_only=module_only)
-    return {}
+        if warm:
+            eval_(seq)
+    return seq.each(lambda b: b.engine.load_checkpoint(seq.dir_of(b), tag=tag, load_module_only=module_only) and {})
 
 
 def save16(seq: Sequence) -> dict[str, Obs]:
     """``save_16bit_model``: the 16-bit consolidation (``GatheredParameters`` per module, rank 0 writes)."""
-    for b in seq.built:
-        b.engine.save_16bit_model(seq.dir_of(b), "model16.bin")
-    return {}
+    return seq.each(lambda b: b.engine.save_16bit_model(seq.dir_of(b), "model16.bin") and {})
 
 
 def _module(b: eng.Built, index: int) -> tuple[str, torch.nn.Module]:

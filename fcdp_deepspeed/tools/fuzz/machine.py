@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from hypothesis import HealthCheck, Phase, Verbosity, seed as hypothesis_seed, settings as Settings
+from hypothesis import HealthCheck, Phase, Verbosity, reject, seed as hypothesis_seed, settings as Settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, get_state_machine_test, initialize, rule
 
@@ -37,7 +37,8 @@ def placements() -> st.SearchStrategy[dict]:
 def sequence_configs() -> st.SearchStrategy[dict]:
     """What a sequence fixes at ``begin`` (the engine kinds come from the search)."""
     return st.fixed_dictionaries({
-        "mode": st.sampled_from(("lora", "full")),
+        "mode": st.sampled_from(("lora", "full", "partial")),
+        "layers": st.sampled_from((1, 2)),
         "placement": placements(),
         "dtype": st.sampled_from(("fp32", "bf16")),
         "regime": st.sampled_from(("large", "default")),
@@ -50,7 +51,8 @@ class EventFailure(AssertionError):
     """An event left an engine different from ZeRO-3, its cache stale, or the ranks out of step."""
 
 
-#: Module indices address ``model.modules_with_params`` (modulo its length): embed, blocks.i(.fc), head.
+#: Module indices address ``model.modules_with_params`` (modulo its length): embed, blocks.i (the adapters),
+#: blocks.i.fc, head.
 MODULES = st.integers(0, 5)
 
 
@@ -79,21 +81,30 @@ class EventMachine(RuleBasedStateMachine):
             reply = self.server.call(cmd)
         except RankServerDied as err:
             raise EventFailure(f"{label}: the ranks hung or died: {err}") from None
+        name = cmd.get("name", cmd["op"])
+        self.stats.event_seconds[name] += reply.get("event_seconds", reply["seconds"])
+        self.stats.check_seconds[name] += reply.get("check_seconds", 0.0)
+        if reply.get("unsupported") and not reply["errors"]:
+            self.stats.unsupported[f"{name}: {reply['unsupported']}"] += 1
+            reject()  # [Note: unsupported sequences] in events.py: plain ZeRO-3 cannot run it either
         problems = reply["errors"] + reply["failures"]
         if problems:
-            self.stats.failing_events[cmd.get("name", cmd["op"])] += 1
+            self.stats.failing_events[name] += 1
             raise EventFailure(f"after {label}:\n  " + "\n  ".join(problems[:12]))
 
     def _event(self, name: str, **args: Any) -> None:
         shown = ", ".join(f"{k}={v!r}" for k, v in args.items())
         self._send({"op": "event", "name": name, "args": args}, f"{name}({shown})")
 
-    @initialize(config=sequence_configs())
-    def begin(self, config: dict) -> None:
-        config = {**config, "engines": type(self).engines}
+    @initialize(target=checkpoints, config=sequence_configs())
+    def begin(self, config: dict) -> str:
+        """Fresh engines, and a checkpoint of their initial state (tag ``t0``: loads are possible from the start)."""
+        config = {**config, "engines": type(self).engines, "initial_tag": "t0"}
         self.stats.sequences += 1
         self.begun = True
+        self.tags = 1
         self._send({"op": "begin", "config": config, "faults": type(self).faults}, f"begin({config!r})")
+        return "t0"
 
     @rule(micro=st.integers(1, 3), ckpt=st.booleans(), eval_between=st.booleans())
     def train(self, micro: int, ckpt: bool, eval_between: bool) -> None:
@@ -140,9 +151,16 @@ class EventMachine(RuleBasedStateMachine):
         self._event("save", tag=tag)
         return tag
 
-    @rule(tag=checkpoints, fresh=st.booleans(), module_only=st.booleans(), placement=st.none() | placements())
-    def load(self, tag: str, fresh: bool, module_only: bool, placement: Optional[dict]) -> None:
-        self._event("load", tag=tag, fresh=fresh, module_only=module_only, placement=placement if fresh else None)
+    @rule(tag=checkpoints, module_only=st.booleans())
+    def load(self, tag: str, module_only: bool) -> None:
+        """``load_checkpoint`` into the running engines (fresh ones if the layout changed since the save)."""
+        self._event("load", tag=tag, module_only=module_only)
+
+    @rule(tag=checkpoints, warm=st.booleans(), module_only=st.booleans(), placement=st.none() | placements())
+    def load_fresh(self, tag: str, warm: bool, module_only: bool, placement: Optional[dict]) -> None:
+        """``load_checkpoint`` into fresh engines, with another placement (budgets, cache device) or not;
+        ``warm``: the script evaluates once before it resumes (the cache holds the fresh init then)."""
+        self._event("load", tag=tag, fresh=True, warm=warm, module_only=module_only, placement=placement)
 
     @rule()
     def save16(self) -> None:
@@ -163,6 +181,9 @@ class SearchStats:
     sequences: int = 0
     events: Counter = field(default_factory=Counter)
     failing_events: Counter = field(default_factory=Counter)
+    event_seconds: Counter = field(default_factory=Counter)  # the ranks' time per event name (slowest rank)
+    check_seconds: Counter = field(default_factory=Counter)
+    unsupported: Counter = field(default_factory=Counter)  # discarded sequences: event and ZeRO-3's error
 
 
 @dataclass
@@ -179,6 +200,9 @@ class SearchResult:
     first_failure_sequences: Optional[int] = None  # sequences run when the first failure appeared
     first_failure_seconds: Optional[float] = None
     event_counts: dict = field(default_factory=dict)
+    event_seconds: dict = field(default_factory=dict)
+    check_seconds: dict = field(default_factory=dict)
+    unsupported: dict = field(default_factory=dict)
 
     def report(self) -> str:
         if self.failure is None:
@@ -234,4 +258,5 @@ def search(server: RankServer, *, engines: tuple[str, ...] = ALL_ENGINES, faults
                         seconds=time.monotonic() - t0, failure=failure,
                         program=list(Machine.program) if failure else [],
                         first_failure_sequences=first.get("sequences"), first_failure_seconds=first.get("seconds"),
-                        event_counts=dict(stats.events))
+                        event_counts=dict(stats.events), event_seconds=dict(stats.event_seconds),
+                        check_seconds=dict(stats.check_seconds), unsupported=dict(stats.unsupported))

@@ -47,9 +47,10 @@ class EventModel(torch.nn.Module):
 
 
 def set_trainable(model: torch.nn.Module, mode: str) -> None:
-    """``"full"``: every parameter trains; ``"lora"``: only the adapters (a frozen base, as in PEFT)."""
+    """``"full"``: every parameter trains; ``"lora"``: only the adapters (a frozen base, as in PEFT);
+    ``"partial"``: the blocks train, the embedding and the head stay frozen."""
     for name, param in model.named_parameters():
-        param.requires_grad = mode == "full" or "lora_" in name
+        param.requires_grad = {"full": True, "lora": "lora_" in name, "partial": name.startswith("blocks.")}[mode]
 
 
 def modules_with_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
