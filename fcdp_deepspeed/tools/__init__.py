@@ -7,5 +7,6 @@ The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imp
 - ``cluster.py``: an emulated multi-node cluster (network namespaces, shaped uplinks);
 - ``toy.py``: tiny models and a deterministic training loop;
 - ``bench.py``, ``planner.py``, ``demo.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``;
+- ``fuzz/``: random event sequences against ZeRO-3 (a hypothesis state machine on a rank server), ``fcdp soak``;
 - ``cli.py``: the ``fcdp`` command.
 """

@@ -1,4 +1,4 @@
-"""The ``fcdp`` command: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``."""
+"""The ``fcdp`` command: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``, ``fcdp soak``."""
 from __future__ import annotations
 
 import sys
@@ -8,13 +8,14 @@ COMMANDS = {
     "bench": ("fcdp_deepspeed.tools.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
     "plan": ("fcdp_deepspeed.tools.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
     "demo": ("fcdp_deepspeed.tools.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
+    "soak": ("fcdp_deepspeed.tools.fuzz.soak", "random event sequences against ZeRO-3 (docs/reliability.md)"),
 }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        print("usage: fcdp {bench,plan,demo} [options]\n")
+        print("usage: fcdp {bench,plan,demo,soak} [options]\n")
         for name, (_, help_) in COMMANDS.items():
             print(f"  {name:<6} {help_}")
         return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2

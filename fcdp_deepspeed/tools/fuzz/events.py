@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -24,9 +25,14 @@ import torch.nn.functional as F
 import deepspeed
 from deepspeed import comm as dist
 
+from fcdp_deepspeed.cache import Placement
 from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.model import (HIDDEN, SEQ, VOCAB, hf_load_state_dict, modules_with_params,
                                              resize_token_embeddings, set_trainable)
+
+#: ``get_stats`` counters summed into :attr:`Sequence.coverage`.
+COVERAGE_KEYS = ("cache_hits", "cache_misses", "uncached_fetches", "cache_fills", "cache_refreshes",
+                 "hierarchical_gathers", "batched_refills", "optimizer_steps")
 
 #: What one engine produced in one event: losses (this rank's micro-steps), outputs, gathered values.
 Obs = dict[str, Any]
@@ -58,6 +64,8 @@ class Sequence:
     micro: int = 0  # micro-steps so far: the data of the next one
     builds: int = 0  # engines built so far: the init seed of the next model
     tags: dict[str, eng.Layout] = field(default_factory=dict)  # saved checkpoint tag -> its layout
+    #: FCDP paths the sequence ran (summed ``get_stats`` counters of every FCDP engine it built).
+    coverage: Counter = field(default_factory=Counter)
 
     @classmethod
     def begin(cls, config: dict) -> "Sequence":
@@ -72,6 +80,7 @@ class Sequence:
         return seq
 
     def end(self) -> None:
+        self._count(self.built)
         self.built = []
         dist.barrier()
         if dist.get_rank() == 0:
@@ -91,7 +100,21 @@ class Sequence:
                 if prepare is not None:
                     prepare(before, model, cfg)
                 fresh.append(eng.initialize(kind, model, cfg))
+        self._count(self.built)
         self.built, self.layout, self.placement = fresh, layout, dict(placement)
+
+    def _count(self, built: list[eng.Built]) -> None:
+        for b in built:
+            rt = b.fcdp
+            if rt is None or rt.cache is None:
+                continue
+            stats = rt.stats()
+            self.coverage.update({k: stats[k] for k in COVERAGE_KEYS})
+            self.coverage.update({f"invalidations.{k}": v for k, v in stats["invalidations"].items()})
+            self.coverage["engines"] += 1
+            self.coverage["engines promoted to device"] += int(rt.allocation.promoted)
+            self.coverage["slots on device"] += sum(e.placement is Placement.DEVICE for e in rt.cache.entries.values())
+            self.coverage["uncached params"] += stats["uncached_params"]
 
     def dir_of(self, b: eng.Built) -> str:
         return os.path.join(self.workdir, b.kind.name)

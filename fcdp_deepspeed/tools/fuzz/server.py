@@ -97,14 +97,16 @@ class _Session:
             return {"failures": failures, "digests": digests, "event_seconds": t1 - t0,
                     "check_seconds": time.perf_counter() - t1}
         if op == "end":
+            coverage = {}
             if self.seq is not None:
                 self.seq.end()
+                coverage = dict(self.seq.coverage)
             self.seq = None
             os.environ.pop(BREAK_ENV, None)
             self.ended += 1
             if self.ended % FULL_GC_EVERY == 0:
                 gc.collect()
-            return {"failures": []}
+            return {"failures": [], "coverage": coverage}
         if op == "ping":
             return {"failures": []}
         raise ValueError(f"unknown command {op!r}")
@@ -166,6 +168,7 @@ def serve(port: int, warm_up: bool = True) -> dict:
             send(sock, {"failures": [f for r in everyone for f in r["failures"]] + lockstep_failures(everyone),
                         "errors": [r["error"] for r in everyone if r.get("error")],
                         "unsupported": next((r["unsupported"] for r in everyone if r.get("unsupported")), None),
+                        "coverage": everyone[0].get("coverage", {}),
                         **{k: max(r.get(k, 0.0) for r in everyone)
                            for k in ("seconds", "event_seconds", "check_seconds")}})
     if sock is not None:
