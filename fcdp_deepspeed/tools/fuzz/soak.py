@@ -48,7 +48,8 @@ def _record(path: Path, result, kind: str, chunk: int, steps: int, run_id: str) 
            "seconds": round(result.seconds, 1), "failed": result.failure is not None,
            "first_failure_sequences": result.first_failure_sequences,
            "first_failure_seconds": None if result.first_failure_seconds is None else round(result.first_failure_seconds, 1),
-           "program": result.program, "failure": (result.failure or "")[:2000], "event_counts": result.event_counts}
+           "program": result.program, "failure": (result.failure or "")[:2000], "event_counts": result.event_counts,
+           "unsupported": result.unsupported, "coverage": result.coverage}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
@@ -81,8 +82,9 @@ def table(records: list[dict]) -> str:
         events.update(r["event_counts"])
     lines = [f"Results file: `docs/reliability_results.jsonl` ({len(records)} searches from {len(runs)} soak runs; "
              f"the last on {runs[-1] if runs else '-'}).", "",
-             "| searches | faults | sequences | events | failures | sequences to the first failure (median) | "
-             "seconds to it (median) | minimal sequence, steps (median) |", "|---|---|---|---|---|---|---|---|"]
+             "| searches | faults | sequences run (shrinking included) | events | searches that failed | sequences to the "
+             "first failure (median) | seconds to it (median) | minimal sequence, steps (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(r["faults"] or "none", []).append(r)
@@ -94,7 +96,16 @@ def table(records: list[dict]) -> str:
                      f"{len(failed)} of {len(rs)} | {_median(r['first_failure_sequences'] for r in failed)} | "
                      f"{_median(r['first_failure_seconds'] for r in failed)} | "
                      f"{_median(len(r['program']) for r in failed)} |")
-    lines += ["", "Events in the clean sequences: " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())) + "."]
+    coverage, unsupported = Counter(), Counter()
+    for r in clean:
+        coverage.update(r.get("coverage", {}))
+        unsupported.update(r.get("unsupported", {}))
+    lines += ["", "Events in the clean sequences: " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())) + ".",
+              "", "FCDP paths they ran (summed `get_stats` of every FCDP engine built): " +
+              ", ".join(f"{k} {v}" for k, v in sorted(coverage.items())) + ".",
+              "", f"Discarded because plain ZeRO-3 raised: {sum(unsupported.values())}" +
+              ("" if not unsupported else " (" + "; ".join(f"{k}: {v}" for k, v in sorted(unsupported.items())) + ")")
+              + "."]
     return "\n".join(lines)
 
 
