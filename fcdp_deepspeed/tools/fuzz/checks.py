@@ -86,11 +86,12 @@ class Report:
 def compare_observations(report: Report, seq: Sequence, obs: dict[str, Obs]) -> None:
     ref = obs.get("zero3", {})
     for b in seq.built:
-        if b.kind.compare not in ("exact", "close") or b.kind.name not in obs:
+        compare = b.kind.compare_in(seq.optimizer)
+        if compare not in ("exact", "close") or b.kind.name not in obs:
             continue
         for key, got in obs[b.kind.name].items():
             if key in ref:
-                report.same(b.kind.name, key, ref[key], got, b.kind.compare, eng.RTOL[seq.dtype])
+                report.same(b.kind.name, key, ref[key], got, compare, eng.RTOL[seq.dtype])
 
 
 def compare_state(report: Report, seq: Sequence) -> dict[str, dict[str, torch.Tensor]]:
@@ -102,21 +103,22 @@ def compare_state(report: Report, seq: Sequence) -> dict[str, dict[str, torch.Te
     ref_parts = dict(ref.engine.module.named_parameters())
     rtol = eng.RTOL[seq.dtype]
     for b in seq.built:
-        if b.kind.compare not in ("exact", "close"):
+        compare = b.kind.compare_in(seq.optimizer)
+        if compare not in ("exact", "close"):
             continue
         name = b.kind.name
         for pname, p in b.engine.module.named_parameters():
             if pname not in ref_parts:
                 report.fail(name, f"parameter {pname} has no ZeRO-3 counterpart")
                 continue
-            report.same(name, f"partition of {pname}", ref_parts[pname].ds_tensor, p.ds_tensor, b.kind.compare, rtol)
-            report.same(name, f"full {pname}", full[ref.kind.name][pname], full[name][pname], b.kind.compare, rtol)
+            report.same(name, f"partition of {pname}", ref_parts[pname].ds_tensor, p.ds_tensor, compare, rtol)
+            report.same(name, f"full {pname}", full[ref.kind.name][pname], full[name][pname], compare, rtol)
         ref_fp32 = ref.engine.optimizer.fp32_partitioned_groups_flat
         got_fp32 = b.engine.optimizer.fp32_partitioned_groups_flat
         if len(ref_fp32) != len(got_fp32):
             report.fail(name, f"{len(got_fp32)} fp32 partition groups vs ZeRO-3's {len(ref_fp32)}")
         for i, (r, g) in enumerate(zip(ref_fp32, got_fp32)):
-            report.same(name, f"fp32 partition group {i}", r.detach(), g.detach(), b.kind.compare, rtol)
+            report.same(name, f"fp32 partition group {i}", r.detach(), g.detach(), compare, rtol)
     return full
 
 

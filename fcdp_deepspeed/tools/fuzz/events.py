@@ -60,6 +60,8 @@ class Sequence:
     regime: str
     zero_init: bool
     workdir: str
+    offload: str = "none"  # engines.OFFLOADS
+    optimizer: str = "adam"  # or "sgd" (engines.ds_config)
     built: list[eng.Built] = field(default_factory=list)
     micro: int = 0  # micro-steps so far: the data of the next one
     builds: int = 0  # engines built so far: the init seed of the next model
@@ -73,7 +75,8 @@ class Sequence:
         dist.broadcast_object_list(obj, src=0)
         seq = cls(kinds=tuple(eng.KINDS[k] for k in config["engines"]),
                   layout=eng.Layout(VOCAB, config["mode"], config.get("layers", 2)), placement=dict(config["placement"]),
-                  dtype=config["dtype"], regime=config["regime"], zero_init=config["zero_init"], workdir=obj[0])
+                  dtype=config["dtype"], regime=config["regime"], zero_init=config["zero_init"], workdir=obj[0],
+                  offload=config.get("offload", "none"), optimizer=config.get("optimizer", "adam"))
         seq.rebuild(seq.layout, seq.placement, seq.zero_init)
         if config.get("initial_tag"):
             save(seq, config["initial_tag"])
@@ -95,7 +98,8 @@ class Sequence:
         fresh = []
         for kind, before in zip(self.kinds, old):
             with _reference_guard(kind):
-                cfg = eng.ds_config(kind, placement, dtype=self.dtype, regime=self.regime)
+                cfg = eng.ds_config(kind, placement, dtype=self.dtype, regime=self.regime, offload=self.offload,
+                                    optimizer=self.optimizer)
                 model = eng.build_model(layout, cfg if zero_init else None, seed)
                 if prepare is not None:
                     prepare(before, model, cfg)

@@ -43,6 +43,8 @@ def sequence_configs() -> st.SearchStrategy[dict]:
         "dtype": st.sampled_from(("fp32", "bf16")),
         "regime": st.sampled_from(("large", "default")),
         "zero_init": st.booleans(),
+        "offload": st.sampled_from(("none", "optimizer", "param", "both")),
+        "optimizer": st.sampled_from(("adam", "sgd")),
         "probe": st.booleans(),
     })
 
