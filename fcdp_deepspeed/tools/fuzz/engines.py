@@ -103,12 +103,13 @@ OFFLOADS = {"none": {}, "optimizer": {"offload_optimizer": {"device": "cpu"}},
 def ds_config(kind: EngineKind, placement: dict, *, dtype: str, regime: str, offload: str = "none",
               optimizer: str = "adam", lr: float = 1e-2) -> dict:
     """The engine's DeepSpeed config; ``optimizer="sgd"`` drops the config's optimizer (``initialize`` passes
-    ``torch.optim.SGD``, a client optimizer, which ZeRO-Offload then has to be told to accept)."""
+    ``torch.optim.SGD``, a client optimizer, which ZeRO-3 and ZeRO-Offload have to be told to accept)."""
     block = kind.block(dict(placement)) if kind.block is not None else None
     cfg = toy.ds_config(block, regime=regime, micro_batch=MICRO_BATCH, lr=lr, dtype=dtype, **OFFLOADS[offload])
     if optimizer == "sgd":
         cfg.pop("optimizer")
         cfg["zero_force_ds_cpu_optimizer"] = False
+        cfg["zero_allow_untested_optimizer"] = True
         cfg["fuzz_sgd_lr"] = lr  # read by initialize, ignored by DeepSpeed (an unknown top-level key)
     return cfg
 

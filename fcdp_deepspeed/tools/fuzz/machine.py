@@ -165,11 +165,16 @@ class EventMachine(RuleBasedStateMachine):
         """``load_checkpoint`` into the running engines (fresh ones if the layout changed since the save)."""
         self._event("load", tag=tag, module_only=module_only)
 
-    @rule(tag=checkpoints, warm=st.booleans(), module_only=st.booleans(), placement=st.none() | placements())
-    def load_fresh(self, tag: str, warm: bool, module_only: bool, placement: Optional[dict]) -> None:
-        """``load_checkpoint`` into fresh engines, with another placement (budgets, cache device) or not;
-        ``warm``: the script evaluates once before it resumes (the cache holds the fresh init then)."""
-        self._event("load", tag=tag, fresh=True, warm=warm, module_only=module_only, placement=placement)
+    @rule(tag=checkpoints, module_only=st.booleans(), placement=st.none() | placements())
+    def load_fresh(self, tag: str, module_only: bool, placement: Optional[dict]) -> None:
+        """``load_checkpoint`` into fresh engines, with another placement (budgets, cache device) or not."""
+        self._event("load", tag=tag, fresh=True, module_only=module_only, placement=placement)
+
+    @rule(tag=checkpoints, module_only=st.booleans(), placement=st.none() | placements())
+    def resume(self, tag: str, module_only: bool, placement: Optional[dict]) -> None:
+        """Fresh engines that evaluate once, then ``load_checkpoint`` (a script that validates before it
+        resumes): the cache holds the fresh initialization when the checkpoint overwrites it."""
+        self._event("load", tag=tag, fresh=True, warm=True, module_only=module_only, placement=placement)
 
     @rule()
     def save16(self) -> None:
