@@ -22,9 +22,9 @@ from fcdp_deepspeed.tools.fuzz.events import EVENTS  # noqa: E402
 from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402
 
 #: The CI budget (docs/testing.md has the measured times): derandomized, so every run tries the same sequences.
-CI_SEQUENCES, CI_STEPS, CI_SHRINK_SECONDS = 12, 8, 120.0
+CI_SEQUENCES, CI_STEPS, CI_SHRINK_SECONDS = 10, 8, 120.0
 #: A broken variant must be found within this many sequences, then shrunk for at most this long.
-FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 10.0
+FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 8.0
 
 #: Each single invalidation path whose loss makes a cached slice stale, and the events that can expose it.
 #: ``optimizer_write`` and ``step_end`` each cover the other for every parameter the optimizer owns (it writes
