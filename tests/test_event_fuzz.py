@@ -73,3 +73,26 @@ def test_break_switch_names_are_checked(monkeypatch):
         faults.invalidation_broken("checkpoint")
     monkeypatch.delenv(faults.BREAK_ENV)
     assert not faults.invalidation_broken("checkpoint")
+
+
+def test_soak_rewrites_only_the_table_block(tmp_path):
+    import json
+
+    from fcdp_deepspeed.tools.fuzz.soak import BEGIN, END, rerun_command, rewrite_table
+    results, doc = tmp_path / "results.jsonl", tmp_path / "doc.md"
+    records = [
+        {"run": "r1", "kind": "clean", "faults": "", "seed": 1, "sequences": 20, "events": 200, "failed": False,
+         "first_failure_sequences": None, "first_failure_seconds": None, "program": [],
+         "event_counts": {"train": 50}, "coverage": {"cache_hits": 7}, "unsupported": {}},
+        {"run": "r1", "kind": "fault", "faults": "refresh", "seed": 2, "sequences": 30, "events": 90, "failed": True,
+         "first_failure_sequences": 4, "first_failure_seconds": 9.5, "program": ["begin()", "eval()", "hf_load()"],
+         "event_counts": {}, "coverage": {}, "unsupported": {}},
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc.write_text(f"before\n{BEGIN}\nold table\n{END}\nafter\n")
+    rewrite_table(results, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith(f"{END}\nafter\n") and "old table" not in text
+    assert "| 1 | `none` | 20 | 200 | 0 of 1 |" in text and "| 1 | `refresh` | 30 | 90 | 1 of 1 | 4 | 9.5 | 3 |" in text
+    assert "cache_hits 7" in text and "train 50" in text
+    assert rerun_command(7, 20, 10, "") == "fcdp soak --seeds 7 --chunk 20 --steps 10 --faults none --no-table"

@@ -42,7 +42,8 @@ class Invalidation:
             return
         trainable = not faults.invalidation_broken("requires_grad")  # test-only: the rule below skipped
         stale = [e for e in self.cache.entries.values()
-                 if (trainable and e.param.requires_grad) or e.param.ds_id in self.optimizer_ids or not self.keep_frozen]
+                 if (trainable and e.param.requires_grad) or e.param.ds_id in self.optimizer_ids
+                 or not self.keep_frozen]
         self.cache.invalidate(stale, "optimizer_step")
 
     def flush(self, reason: str) -> None:

@@ -74,8 +74,9 @@ class Sequence:
         obj = [tempfile.mkdtemp(prefix="fcdp-events-") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(obj, src=0)
         seq = cls(kinds=tuple(eng.KINDS[k] for k in config["engines"]),
-                  layout=eng.Layout(VOCAB, config["mode"], config.get("layers", 2)), placement=dict(config["placement"]),
-                  dtype=config["dtype"], regime=config["regime"], zero_init=config["zero_init"], workdir=obj[0],
+                  layout=eng.Layout(VOCAB, config["mode"], config.get("layers", 2)),
+                  placement=dict(config["placement"]), dtype=config["dtype"], regime=config["regime"],
+                  zero_init=config["zero_init"], workdir=obj[0],
                   offload=config.get("offload", "none"), optimizer=config.get("optimizer", "adam"))
         seq.rebuild(seq.layout, seq.placement, seq.zero_init)
         if config.get("initial_tag"):

@@ -59,7 +59,7 @@ MODULES = st.integers(0, 5)
 
 
 class EventMachine(RuleBasedStateMachine):
-    """One example: ``begin`` (fresh engines), then events. Configured by :func:`machine_class`."""
+    """One example: ``begin`` (fresh engines), then events. :func:`search` sets the class attributes."""
 
     server: ClassVar[RankServer]
     engines: ClassVar[tuple[str, ...]] = ALL_ENGINES
@@ -82,7 +82,8 @@ class EventMachine(RuleBasedStateMachine):
         try:
             reply = self.server.call(cmd)
         except RankServerDied as err:
-            raise EventFailure(f"{label}: the ranks hung or died: {err}") from None
+            self.stats.failed_now()
+            raise EventFailure(f"after {label}: the ranks hung or died: {err}") from None
         name = cmd.get("name", cmd["op"])
         self.stats.event_seconds[name] += reply.get("event_seconds", reply["seconds"])
         self.stats.check_seconds[name] += reply.get("check_seconds", 0.0)
@@ -92,6 +93,7 @@ class EventMachine(RuleBasedStateMachine):
         problems = reply["errors"] + reply["failures"]
         if problems:
             self.stats.failing_events[name] += 1
+            self.stats.failed_now()
             raise EventFailure(f"after {label}:\n  " + "\n  ".join(problems[:12]))
 
     def _event(self, name: str, **args: Any) -> None:
@@ -190,8 +192,9 @@ class EventMachine(RuleBasedStateMachine):
 
 @dataclass
 class SearchStats:
-    """What one search ran."""
+    """What one search ran (every example, shrinking included)."""
 
+    started: float = field(default_factory=time.monotonic)
     sequences: int = 0
     events: Counter = field(default_factory=Counter)
     failing_events: Counter = field(default_factory=Counter)
@@ -199,6 +202,11 @@ class SearchStats:
     check_seconds: Counter = field(default_factory=Counter)
     unsupported: Counter = field(default_factory=Counter)  # discarded sequences: event and ZeRO-3's error
     coverage: Counter = field(default_factory=Counter)  # FCDP paths run (events.Sequence.coverage)
+    first_failure: Optional[tuple[int, float]] = None  # (sequences, seconds) when the first failure appeared
+
+    def failed_now(self) -> None:
+        if self.first_failure is None:
+            self.first_failure = (self.sequences, time.monotonic() - self.started)
 
 
 @dataclass
@@ -207,6 +215,7 @@ class SearchResult:
 
     faults: str
     seed: Optional[int]
+    engines: tuple[str, ...]
     sequences: int
     events: int
     seconds: float
@@ -235,25 +244,11 @@ def search(server: RankServer, *, engines: tuple[str, ...] = ALL_ENGINES, faults
     from hypothesis.internal.conjecture import engine as conjecture_engine
 
     stats = SearchStats()
-    first: dict[str, Any] = {}
-    t0 = time.monotonic()
 
     class Machine(EventMachine):
         pass
 
     Machine.server, Machine.engines, Machine.faults, Machine.stats = server, tuple(engines), faults, stats
-
-    original_send = Machine._send
-
-    def timed_send(self, cmd: dict, label: str) -> None:
-        try:
-            original_send(self, cmd, label)
-        except EventFailure:
-            first.setdefault("sequences", stats.sequences)
-            first.setdefault("seconds", time.monotonic() - t0)
-            raise
-
-    Machine._send = timed_send  # type: ignore[method-assign]
     cfg = Settings(max_examples=max_examples, stateful_step_count=steps, deadline=None, database=None,
                    derandomize=seed is None, suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
                    phases=(Phase.generate, Phase.shrink), report_multiple_bugs=False, print_blob=False)
@@ -270,10 +265,11 @@ def search(server: RankServer, *, engines: tuple[str, ...] = ALL_ENGINES, faults
         failure = str(err)
     finally:
         conjecture_engine.MAX_SHRINKING_SECONDS = saved
-    return SearchResult(faults=faults, seed=seed, sequences=stats.sequences, events=sum(stats.events.values()),
-                        seconds=time.monotonic() - t0, failure=failure,
+    first_sequences, first_seconds = stats.first_failure or (None, None)
+    return SearchResult(faults=faults, seed=seed, engines=tuple(engines), sequences=stats.sequences, events=sum(stats.events.values()),
+                        seconds=time.monotonic() - stats.started, failure=failure,
                         program=list(Machine.program) if failure else [],
-                        first_failure_sequences=first.get("sequences"), first_failure_seconds=first.get("seconds"),
+                        first_failure_sequences=first_sequences, first_failure_seconds=first_seconds,
                         event_counts=dict(stats.events), event_seconds=dict(stats.event_seconds),
                         check_seconds=dict(stats.check_seconds), unsupported=dict(stats.unsupported),
                         coverage=dict(stats.coverage))

@@ -43,11 +43,12 @@ def _commit() -> str:
 
 
 def _record(path: Path, result, kind: str, chunk: int, steps: int, run_id: str) -> dict:
-    rec = {"run": run_id, "kind": kind, "faults": result.faults, "seed": result.seed, "chunk": chunk,
+    rec = {"run": run_id, "kind": kind, "faults": result.faults, "engines": ",".join(result.engines), "seed": result.seed, "chunk": chunk,
            "steps": steps, "sequences": result.sequences, "events": result.events,
            "seconds": round(result.seconds, 1), "failed": result.failure is not None,
            "first_failure_sequences": result.first_failure_sequences,
-           "first_failure_seconds": None if result.first_failure_seconds is None else round(result.first_failure_seconds, 1),
+           "first_failure_seconds": (None if result.first_failure_seconds is None
+                                     else round(result.first_failure_seconds, 1)),
            "program": result.program, "failure": (result.failure or "")[:2000], "event_counts": result.event_counts,
            "unsupported": result.unsupported, "coverage": result.coverage}
     with open(path, "a") as f:
@@ -55,8 +56,9 @@ def _record(path: Path, result, kind: str, chunk: int, steps: int, run_id: str) 
     return rec
 
 
-def rerun_command(seed: int, chunk: int, steps: int, faults: str) -> str:
-    return f"fcdp soak --seeds {seed} --chunk {chunk} --steps {steps} --faults {faults or 'none'} --no-table"
+def rerun_command(seed: int, chunk: int, steps: int, faults: str, engines: str = "") -> str:
+    return (f"fcdp soak --seeds {seed} --chunk {chunk} --steps {steps} --faults {faults or 'none'} --no-table"
+            + (f" --engines {engines}" if engines else ""))
 
 
 def _print_failure(rec: dict) -> None:
@@ -64,7 +66,9 @@ def _print_failure(rec: dict) -> None:
           f"minimal sequence ({len(rec['program'])} steps):", flush=True)
     for i, step in enumerate(rec["program"]):
         print(f"  {i}. {step}")
-    print(f"rerun: {rerun_command(rec['seed'], rec['chunk'], rec['steps'], rec['faults'])}\n", flush=True)
+    from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES
+    engines = "" if rec["engines"] == ",".join(ALL_ENGINES) else rec["engines"]
+    print(f"rerun: {rerun_command(rec['seed'], rec['chunk'], rec['steps'], rec['faults'], engines)}\n", flush=True)
 
 
 # -- the table -----------------------------------------------------------------------------------------
@@ -82,7 +86,8 @@ def table(records: list[dict]) -> str:
         events.update(r["event_counts"])
     lines = [f"Results file: `docs/reliability_results.jsonl` ({len(records)} searches from {len(runs)} soak runs; "
              f"the last on {runs[-1] if runs else '-'}).", "",
-             "| searches | faults | sequences run (shrinking included) | events | searches that failed | sequences to the "
+             "| searches | faults | sequences run (shrinking included) | events | searches that failed | "
+             "sequences to the "
              "first failure (median) | seconds to it (median) | minimal sequence, steps (median) |",
              "|---|---|---|---|---|---|---|---|"]
     groups: dict[str, list[dict]] = {}
@@ -110,7 +115,8 @@ def table(records: list[dict]) -> str:
 
 
 def rewrite_table(results: Path = RESULTS, doc: Path = TABLE) -> None:
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()] if results.exists() else []
+    lines = results.read_text().splitlines() if results.exists() else []
+    records = [json.loads(line) for line in lines if line.strip()]
     text = doc.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{doc} has no {BEGIN} ... {END} block to rewrite")
@@ -133,6 +139,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fault-chunk", type=int, default=40, help="sequences per fault search at most (default 40)")
     ap.add_argument("--shrink-seconds", type=float, default=60.0, help="shrinking budget per failure (default 60)")
     ap.add_argument("--minutes", type=float, default=0.0, help="stop the clean chunks after this long (0: no limit)")
+    ap.add_argument("--engines", default="", help="engine kinds of the clean chunks, comma-separated "
+                                                  "(engines.KINDS; default: every ZeRO-3 and FCDP kind)")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--no-table", action="store_true", help="do not rewrite docs/reliability.md")
     args = ap.parse_args(argv)
@@ -140,6 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fcdp_deepspeed.tools.fuzz.driver import RankServer
     from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search
 
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip()) or ALL_ENGINES
     run_id = datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + f" ({_commit()})"
     rng = random.Random()
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -151,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         done = 0
         while (seeds or done < args.sequences) and not (args.minutes and time.monotonic() - t0 > 60 * args.minutes):
             seed = seeds.pop(0) if seeds else rng.randrange(2**31)
-            result = search(server, engines=ALL_ENGINES, max_examples=args.chunk, steps=args.steps, seed=seed,
+            result = search(server, engines=engines, max_examples=args.chunk, steps=args.steps, seed=seed,
                             shrink_seconds=args.shrink_seconds)
             rec = _record(args.results, result, "clean", args.chunk, args.steps, run_id)
             done += result.sequences
@@ -167,8 +176,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 result = search(server, engines=EXACT_ENGINES, faults=fault, max_examples=args.fault_chunk,
                                 steps=args.steps, seed=seed, shrink_seconds=args.shrink_seconds)
                 rec = _record(args.results, result, "fault", args.fault_chunk, args.steps, run_id)
-                found = (f"found after {result.first_failure_sequences} sequences, minimal {len(result.program)} steps: "
-                         f"{' -> '.join(s.partition('(')[0] for s in result.program)}" if result.failure else
+                found = (f"found after {result.first_failure_sequences} sequences, minimal {len(result.program)} "
+                         f"steps: {' -> '.join(s.partition('(')[0] for s in result.program)}" if result.failure else
                          f"not found in {result.sequences} sequences")
                 print(f"[{time.monotonic() - t0:6.0f} s] {fault} seed {seed}: {found}", flush=True)
     if not args.no_table:
