@@ -19,6 +19,7 @@ batched refill) itself. Sequences draw ``probe``: with it, a probe forward follo
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import torch
@@ -53,6 +54,12 @@ def full_params(built: list[eng.Built]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _same_float(a: float, b: float, compare: str, rtol: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return a == b if compare == "exact" else abs(a - b) <= rtol * abs(a)
+
+
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
@@ -76,9 +83,8 @@ class Report:
                 (ref.float() - got.float()).norm().item() <= rtol * max(ref.float().norm().item(), 1e-12)
             if not ok:
                 self.fail(engine, f"{what} differs from ZeRO-3 (max abs diff {_diff(ref, got):.3g}, {compare})")
-        else:
-            ok = ref == got if compare == "exact" else \
-                len(ref) == len(got) and all(abs(a - b) <= rtol * abs(a) for a, b in zip(ref, got))
+        else:  # losses: lists of floats, a non-finite one (a bad batch) equal to the same non-finite value
+            ok = len(ref) == len(got) and all(_same_float(a, b, compare, rtol) for a, b in zip(ref, got))
             if not ok:
                 self.fail(engine, f"{what} {got} vs ZeRO-3's {ref} ({compare})")
 

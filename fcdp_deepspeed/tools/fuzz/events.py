@@ -169,9 +169,12 @@ def _delta(shape: torch.Size, seed: int) -> torch.Tensor:
 
 
 # -- events ------------------------------------------------------------------------------------------
-def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = False) -> dict[str, Obs]:
+def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = False,
+          bad_batch: bool = False) -> dict[str, Obs]:
     """One optimizer step of ``micro`` micro-steps ([Note: GA per step]); activation checkpointing
-    recomputes the blocks in backward when ``ckpt``; ``eval_between`` evaluates after the first micro-step."""
+    recomputes the blocks in backward when ``ckpt``; ``eval_between`` evaluates after the first micro-step;
+    ``bad_batch``: the first micro-step's loss is infinite (a bad batch), so the gradient norm is not
+    finite and ZeRO-3 skips the step (``is_invalid_grad_norm``, any dtype) and discards the window."""
     def step(b: eng.Built) -> Obs:
         e = b.engine
         e.set_train_batch_size(eng.MICRO_BATCH * e.dp_world_size * micro)
@@ -181,6 +184,8 @@ def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = Fa
             e.set_gradient_accumulation_boundary(i == micro - 1)
             ids, y = batch(seq.micro + i, seq.layout.vocab)
             loss = F.mse_loss(e(ids.to(e.device)).float(), y.to(e.device))
+            if bad_batch and i == 0:
+                loss = loss * float("inf")
             e.backward(loss)
             e.step()
             obs["losses"].append(loss.item())

@@ -110,7 +110,7 @@ class EventMachine(RuleBasedStateMachine):
         self._send({"op": "begin", "config": config, "faults": type(self).faults}, f"begin({config!r})")
         return "t0"
 
-    # Three training rules (hypothesis has no rule weights; swarm testing disables each rule in some
+    # Four training rules (hypothesis has no rule weights; swarm testing disables each rule in some
     # sequences): training is about a fifth of the events, and a sequence rarely has none.
     @rule(micro=st.integers(1, 3))
     def train(self, micro: int) -> None:
@@ -125,6 +125,11 @@ class EventMachine(RuleBasedStateMachine):
     def train_recompute(self, micro: int) -> None:
         """Activation checkpointing: the blocks' forward runs again in backward."""
         self._event("train", micro=micro, ckpt=True)
+
+    @rule(micro=st.integers(1, 2))
+    def train_bad_batch(self, micro: int) -> None:
+        """A window whose first loss is infinite: ZeRO-3 skips the step (nothing changes, nothing is invalidated)."""
+        self._event("train", micro=micro, bad_batch=True)
 
     @rule()
     def eval(self) -> None:
