@@ -89,8 +89,7 @@ def resize_token_embeddings(model: EventModel, new_num_tokens: int, style: str, 
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
             new = torch.nn.Embedding(new_num_tokens, dim)
         with deepspeed.zero.GatheredParameters([old.weight, new.weight], modifier_rank=0):
-            if dist.get_rank() == 0:
-                new.weight.data[:n, :] = old.weight.data[:n, :]
+            new.weight.data[:n, :] = old.weight.data[:n, :]  # every rank, as transformers 4.x; rank 0's is broadcast
         model.embed = new
         return
     new = torch.nn.Embedding(new_num_tokens, dim, dtype=old.weight.dtype)
