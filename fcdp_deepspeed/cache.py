@@ -365,6 +365,8 @@ class NodeCache:
                 return
             if entry.state is EntryState.FILLED and not has_been_updated:
                 return
+            if entry.state is EntryState.FILLED and faults.invalidation_broken("refresh"):
+                return  # test-only (FCDP_BREAK_INVALIDATION=refresh): the slot keeps the old value
             self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED)
 
     def _fill(self, entry: CacheEntry, refresh: bool) -> None:

@@ -5,12 +5,21 @@
 ``alloc_host@1:2`` fails only the 2nd call of that site on rank 1. Sites: ``alloc_host``,
 ``alloc_device`` (pool chunk allocation), ``alloc_gradbuf_host``, ``alloc_gradbuf_device`` (the node
 gradient-accumulation buffer). Unset in production: one environment lookup.
+
+``FCDP_BREAK_INVALIDATION="checkpoint,refresh"`` skips the named invalidation paths (tests of the
+tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): ``optimizer_write``
+(``_unflatten_partitioned_parameters``), ``step_end`` (everything the step may have changed),
+``requires_grad`` (the step end's rule for parameters that require grad now, e.g. unfrozen ones),
+``checkpoint`` (the flush on checkpoint events), ``refresh`` (``partition(has_been_updated=True)``
+leaves a filled slot as it was).
 """
 from __future__ import annotations
 
 import os
 
 FAULT_ENV = "FCDP_INJECT_FAULT"
+BREAK_ENV = "FCDP_BREAK_INVALIDATION"
+INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh")
 
 
 class InjectedFault(RuntimeError):
@@ -36,3 +45,15 @@ def maybe_fail(site: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if _active(site, rank, call):
         raise InjectedFault(f"injected fault at {site} (call {call}) on rank {rank} ({FAULT_ENV})")
+
+
+def invalidation_broken(path: str) -> bool:
+    """Whether ``FCDP_BREAK_INVALIDATION`` names ``path`` (test-only; read at every call)."""
+    value = os.environ.get(BREAK_ENV)
+    if not value:
+        return False
+    named = {p.strip() for p in value.split(",") if p.strip()}
+    unknown = named - set(INVALIDATION_PATHS)
+    if unknown:
+        raise ValueError(f"{BREAK_ENV}: unknown invalidation path(s) {sorted(unknown)}; known: {INVALIDATION_PATHS}")
+    return path in named

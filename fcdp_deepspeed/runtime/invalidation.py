@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.cache import NodeCache
 
 
@@ -26,6 +27,8 @@ class Invalidation:
 
     def params(self, params: Iterable[torch.nn.Parameter], reason: str) -> int:
         """Drop the entries of ``params`` (those that have one); return how many were dropped."""
+        if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=optimizer_write)
+            return 0
         entries = [e for e in (self.cache.entry(p) for p in params) if e is not None]
         return self.cache.invalidate(entries, reason)
 
@@ -35,10 +38,16 @@ class Invalidation:
         Kept: frozen params (``keep_frozen``) the optimizer does not own. A param unfrozen between
         steps requires grad now, so it is dropped too and never served as a stale "frozen" value.
         """
+        if faults.invalidation_broken("step_end"):  # test-only
+            return
+        trainable = not faults.invalidation_broken("requires_grad")  # test-only: the rule below skipped
         stale = [e for e in self.cache.entries.values()
-                 if e.param.requires_grad or e.param.ds_id in self.optimizer_ids or not self.keep_frozen]
+                 if (trainable and e.param.requires_grad) or e.param.ds_id in self.optimizer_ids
+                 or not self.keep_frozen]
         self.cache.invalidate(stale, "optimizer_step")
 
     def flush(self, reason: str) -> None:
         """Drop every entry (checkpoint events: frozen parameters may have been written too)."""
+        if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=checkpoint)
+            return
         self.cache.invalidate(list(self.cache.entries.values()), reason)

@@ -8,5 +8,6 @@ The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imp
 - ``toy.py``: tiny models and a deterministic training loop;
 - ``bench.py``, ``planner.py`` (with ``plan_compression.py``, the compressed rows' model), ``demo.py``,
   ``doctor.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``, ``fcdp doctor``;
+- ``fuzz/``: random event sequences against ZeRO-3 (a hypothesis state machine on a rank server), ``fcdp soak``;
 - ``cli.py``: the ``fcdp`` command; ``args.py``: the argument checks every subcommand shares.
 """

@@ -1,0 +1,98 @@
+"""Random event sequences against ZeRO-3 (issue 25 item 3): a hypothesis state machine drives one set of
+2 x 2 ranks (``fcdp_deepspeed/tools/fuzz``) through training with random accumulation lengths, eval,
+activation checkpointing, ``GatheredParameters`` writes, HF-style state-dict loads and embedding resizes,
+requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines and placement
+switches. After every event FCDP (ZeRO-3's gradient path) must be bit-identical to plain ZeRO-3, the
+default gradient modes within their tolerance, and every cached slice current.
+
+One rank server (one 4-rank launch) runs everything here: the CI sequences, then each deliberately broken
+invalidation (``FCDP_BREAK_INVALIDATION``), which the same state machine must find and shrink.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import TESTS_DIR
+
+hypothesis = pytest.importorskip("hypothesis")
+
+from fcdp_deepspeed import faults  # noqa: E402
+from fcdp_deepspeed.tools.fuzz.driver import RankServer  # noqa: E402
+from fcdp_deepspeed.tools.fuzz.events import EVENTS  # noqa: E402
+from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402
+
+#: The CI budget (docs/testing.md has the measured times): derandomized, so every run tries the same sequences.
+CI_SEQUENCES, CI_STEPS, CI_SHRINK_SECONDS = 10, 8, 120.0
+#: A broken variant must be found within this many sequences, then shrunk for at most this long.
+FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 8.0
+
+#: Each single invalidation path whose loss makes a cached slice stale, and the events that can expose it.
+#: ``optimizer_write`` and ``step_end`` each cover the other for every parameter the optimizer owns (it writes
+#: only those), so only both together leave a stale slice; ``requires_grad`` covers parameters that require
+#: grad but the optimizer does not own, whose values no step changes (docs/reliability.md).
+OBSERVABLE = {
+    "refresh": ("gathered_write", "hf_load"),
+    "checkpoint": ("load",),
+    "optimizer_write,step_end": ("train",),
+}
+
+
+@pytest.fixture(scope="module")
+def rank_server():
+    with RankServer(pythonpath=(TESTS_DIR,)) as server:
+        yield server
+    assert server.starts == 1, "the rank server was restarted: a sequence hung or killed a rank"
+
+
+def test_random_event_sequences_match_zero3(rank_server):
+    result = search(rank_server, engines=ALL_ENGINES, max_examples=CI_SEQUENCES, steps=CI_STEPS,
+                    shrink_seconds=CI_SHRINK_SECONDS)
+    print(result.report(), result.event_counts, result.unsupported)
+    assert result.failure is None, result.report()
+    assert result.sequences >= CI_SEQUENCES
+    assert set(EVENTS) <= set(result.event_counts), f"events never tried: {set(EVENTS) - set(result.event_counts)}"
+
+
+@pytest.mark.parametrize("fault", list(OBSERVABLE))
+def test_a_broken_invalidation_is_found_and_shrunk(rank_server, fault):
+    result = search(rank_server, engines=EXACT_ENGINES, faults=fault, max_examples=FAULT_SEQUENCES,
+                    steps=FAULT_STEPS, shrink_seconds=SHRINK_SECONDS)
+    print(result.report())
+    assert result.failure is not None, f"FCDP_BREAK_INVALIDATION={fault} went unnoticed: {result.report()}"
+    assert "STALE cache entry" in result.failure, result.report()
+    culprit = result.program[-1].partition("(")[0]
+    assert culprit in OBSERVABLE[fault], result.report()
+    assert result.program[0].startswith("begin(") and len(result.program) <= FAULT_STEPS + 1
+
+
+def test_break_switch_names_are_checked(monkeypatch):
+    monkeypatch.setenv(faults.BREAK_ENV, "checkpoint, refresh")
+    assert faults.invalidation_broken("refresh") and not faults.invalidation_broken("step_end")
+    monkeypatch.setenv(faults.BREAK_ENV, "chekpoint")
+    with pytest.raises(ValueError, match="unknown invalidation path"):
+        faults.invalidation_broken("checkpoint")
+    monkeypatch.delenv(faults.BREAK_ENV)
+    assert not faults.invalidation_broken("checkpoint")
+
+
+def test_soak_rewrites_only_the_table_block(tmp_path):
+    import json
+
+    from fcdp_deepspeed.tools.fuzz.soak import BEGIN, END, rerun_command, rewrite_table
+    results, doc = tmp_path / "results.jsonl", tmp_path / "doc.md"
+    records = [
+        {"run": "r1", "kind": "clean", "faults": "", "seed": 1, "sequences": 20, "events": 200, "failed": False,
+         "first_failure_sequences": None, "first_failure_seconds": None, "program": [],
+         "event_counts": {"train": 50}, "coverage": {"cache_hits": 7}, "unsupported": {}},
+        {"run": "r1", "kind": "fault", "faults": "refresh", "seed": 2, "sequences": 30, "events": 90, "failed": True,
+         "first_failure_sequences": 4, "first_failure_seconds": 9.5, "program": ["begin()", "eval()", "hf_load()"],
+         "event_counts": {}, "coverage": {}, "unsupported": {}},
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    doc.write_text(f"before\n{BEGIN}\nold table\n{END}\nafter\n")
+    rewrite_table(results, doc)
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith(f"{END}\nafter\n") and "old table" not in text
+    assert "| 1 | `none` | 20 | 200 | 0 of 1 |" in text and "| 1 | `refresh` | 30 | 90 | 1 of 1 | 4 | 9.5 | 3 |" in text
+    assert "cache_hits 7" in text and "train 50" in text
+    assert rerun_command(7, 20, 10, "") == "fcdp soak --seeds 7 --chunk 20 --steps 10 --faults none --no-table"
