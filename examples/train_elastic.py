@@ -42,6 +42,13 @@ def batch(step: int, rank: int, hidden: int) -> torch.Tensor:
     return torch.randn(4, hidden, generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
+def log(path: str, rank: int, record: dict) -> None:
+    """Rank 0 appends one JSON line (the job's metrics, kept across restarts)."""
+    if rank == 0 and path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deepspeed_config", required=True)
@@ -49,7 +56,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps of the whole job")
     ap.add_argument("--save_interval", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--metrics", default=None, help="rank 0 appends one JSON line per step here")
+    ap.add_argument("--metrics", default=None, help="rank 0 appends a JSON line per start and per step here")
     ap.add_argument("--dist_backend", default="gloo")
     ap.add_argument("--local_rank", type=int, default=-1)  # passed by the deepspeed launcher
     args = ap.parse_args()
@@ -61,17 +68,16 @@ def main() -> None:
     load_path, _ = engine.load_checkpoint(args.save_dir)  # (None, None) on a fresh start
     rank = deepspeed.comm.get_rank()
     start = engine.global_steps
+    world = deepspeed.comm.get_world_size()
     if rank == 0:
-        print(f"train_elastic: world {deepspeed.comm.get_world_size()}, resumed from {load_path} at step {start}",
-              flush=True)
+        print(f"train_elastic: world {world}, resumed from {load_path} at step {start}", flush=True)
+    log(args.metrics, rank, {"start": start, "resumed_from": load_path, "world": world})
     for step in range(start, args.steps):
         x = batch(step, rank, args.hidden)
         loss = F.mse_loss(engine(x), torch.sin(x))
         engine.backward(loss)
         engine.step()
-        if rank == 0 and args.metrics:
-            with open(args.metrics, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss.item(), "world": deepspeed.comm.get_world_size()}) + "\n")
+        log(args.metrics, rank, {"step": step, "loss": loss.item(), "world": world})
         if (step + 1) % args.save_interval == 0 or step + 1 == args.steps:
             engine.save_checkpoint(args.save_dir)  # tag global_step<N>; `latest` names it
     deepspeed.comm.barrier()

@@ -1,5 +1,6 @@
 """Checkpoints: engines load each other's checkpoints, ``zero_to_fp32`` and 16-bit saves are
-identical, and a rank killed mid-step leaves a loadable checkpoint."""
+identical, a rank killed mid-step leaves a loadable checkpoint, and a node killed while saving
+leaves ``latest`` naming the previous complete checkpoint."""
 from __future__ import annotations
 
 import glob
@@ -53,3 +54,21 @@ def test_rank_killed_mid_step_leaves_a_loadable_checkpoint(tmp_path, monkeypatch
     for f, p in zip(fcdp, plain):
         assert f["losses"] == p["losses"]
     assert all(torch.equal(fcdp[0]["weights"][k], plain[0]["weights"][k]) for k in plain[0]["weights"])
+
+
+@pytest.mark.parametrize("fcdp", [True, False], ids=["fcdp", "plain"])
+def test_node_killed_while_saving_leaves_latest_complete(tmp_path, monkeypatch, fcdp):
+    """DeepSpeed's rank 0 writes ``latest`` after its own files without waiting for the others, so plain ZeRO-3
+    (the broken variant) names a checkpoint without node 1's optimizer states, which every restart then fails
+    to load; FCDP waits for every rank in the checkpoint epilogue, so ``latest`` keeps the previous one."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RankFailure):
+        run_ranks("checkpoints:killed_while_saving", 4, timeout=120, ckpt_dir=str(ckpt), fcdp=fcdp)
+    latest = (ckpt / "latest").read_text()
+    complete = all((ckpt / latest / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").exists() for r in range(4))
+    if fcdp:
+        assert (latest, complete) == ("global_step2", True)
+    else:
+        assert (latest, complete) == ("global_step4", False)
+    assert glob.glob(str(tmp_path / "fcdp-run-*")) == []

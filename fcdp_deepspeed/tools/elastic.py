@@ -5,7 +5,7 @@ One ``torchrun`` agent per network-namespace node (c10d rendezvous hosted by nod
 node's ranks hold at a kill point, every rank of that node is SIGKILLed from here (a real kill
 mid-step, not an exit); the agents then restart the workers, and the script resumes from its last
 checkpoint. :func:`run_elastic` returns what happened: each kill, every metrics line the script's
-rank 0 wrote (with the restart count), the agents' exit codes.
+rank 0 wrote, the agents' exit codes.
 """
 from __future__ import annotations
 
@@ -40,19 +40,20 @@ class ElasticRun:
     def ok(self) -> bool:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
 
-    def resumed_at(self) -> list[int]:
-        """The first step of each restarted attempt (the step its checkpoint restored).
+    @property
+    def steps(self) -> list[dict]:
+        """Rank 0's step lines (``step``, ``loss``, ``world``), in the order they ran."""
+        return [m for m in self.metrics if "step" in m]
 
-        [Note: attempts from the step sequence] ``TORCHELASTIC_RESTART_COUNT`` is per agent, and an agent
-        that restarts its workers for a membership change does not count it (pytorch#108158): rank 0's
-        node may report 0 after a restart. A step that does not follow the previous line starts an attempt."""
-        return [m["step"] for prev, m in zip(self.metrics, self.metrics[1:]) if m["step"] != prev["step"] + 1]
+    def resumed_at(self) -> list[int]:
+        """The step each restarted attempt began at (what its checkpoint restored)."""
+        return [m["start"] for m in self.metrics if "start" in m][1:]
 
     def redone_steps(self) -> int:
-        """Steps that ran more than once: the work lost to the kills."""
+        """Steps that completed more than once: the work the kills cost."""
         seen: set[int] = set()
         redone = 0
-        for m in self.metrics:
+        for m in self.steps:
             redone += m["step"] in seen
             seen.add(m["step"])
         return redone

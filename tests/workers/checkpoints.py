@@ -54,3 +54,17 @@ def checkpoint_interop(ckpt_dir: str, steps: int = 2) -> dict:
             out[f"{loader}_loads_{saved}"] = forward(engine, 32)
             out[f"{loader}_loads_{saved}_train"] = toy.train(engine, 2, seed=9).losses
     return out
+
+
+def killed_while_saving(ckpt_dir: str, fcdp: bool, victims: tuple = (2, 3)) -> None:
+    """A checkpoint after 2 steps; in the save after 4, node 1's ranks die before writing their optimizer states."""
+    import os
+    import signal
+    setup()
+    engine = toy.build_engine(toy.ds_config(fcdp_block() if fcdp else None, regime="large"))
+    toy.train(engine, 2)
+    engine.save_checkpoint(ckpt_dir)  # global_step2, complete
+    toy.train(engine, 2, seed=1)
+    if dist.get_rank() in victims:
+        engine._save_zero_checkpoint = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    engine.save_checkpoint(ckpt_dir)  # global_step4: ranks 0 and 1 write theirs, 2 and 3 die
