@@ -110,6 +110,13 @@ def optimizer_states(save_dir: Path, tag: str) -> list[dict]:
     return out
 
 
+def optimizer_keys(save_dir: Path, tag: str) -> list[str]:
+    """The top-level keys of rank 0's ZeRO optimizer state, as saved."""
+    import torch
+    path = next(iter(sorted((save_dir / tag).glob("*_optim_states.pt"))))
+    return sorted(torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"])
+
+
 def max_rel_diff(a: dict, b: dict) -> float:
     """Largest relative norm difference over the tensors of two state dicts with the same keys."""
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
