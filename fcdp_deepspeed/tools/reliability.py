@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -234,10 +235,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             for trial in resize_trials(work, refs):
                 trials.append(trial)
                 print(json.dumps(asdict(trial))[:400], flush=True)
-    meta = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.monotonic() - t0)}
+    left = [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if ns.startswith(cluster.prefix)]
+    meta = {"seed": args.seed, "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.monotonic() - t0),
+            "namespaces_left": left, "temp_dir_left": work.exists()}
     Path(args.json).write_text(json.dumps({"meta": meta, "trials": [asdict(t) for t in trials]}, indent=1) + "\n")
     update_doc(Path(args.doc), table(trials, meta))
-    failed = [t for t in trials if not t.ok]
+    failed = [t for t in trials if not t.ok] + ([Trial("cleanup", "-", "leftovers", False, meta)] if left or work.exists() else [])
     print(f"{len(trials) - len(failed)}/{len(trials)} passed")
     raise SystemExit(1 if failed else 0)
 

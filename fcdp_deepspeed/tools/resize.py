@@ -126,3 +126,4 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def bitwise_equal(a: dict, b: dict) -> bool:
     import torch
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
