@@ -3,8 +3,8 @@
 One ``torchrun`` agent per network-namespace node (c10d rendezvous hosted by node 0's agent,
 ``--max-restarts``), each running the script through :mod:`fcdp_deepspeed.tools.killpoint`. When a
 node's ranks hold at a kill point, every rank of that node is SIGKILLed from here (a real kill
-mid-step, not an exit); the agents then restart the workers, and the script resumes from its last
-checkpoint. :func:`run_elastic` returns what happened: each kill, every metrics line the script's
+mid-step, not an exit; with ``:agent`` the node's agent too, and a new agent is started on the node);
+the agents then restart the workers, and the script resumes from its last checkpoint. :func:`run_elastic` returns what happened: each kill, every metrics line the script's
 rank 0 wrote, the agents' exit codes.
 """
 from __future__ import annotations
@@ -120,22 +120,26 @@ def run_elastic(cluster: EmulatedCluster, script_argv: Sequence[str], workdir: P
               # connect (pytorch#135712). Opting out gives each rendezvous round a fresh store on rank 0.
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     e.update(env or {})
-    agents, agent_logs = [], []
+    agents: list[subprocess.Popen] = []
+    agent_logs: list[Path] = []
     start = time.monotonic()
     result = ElasticRun(returncodes=[])
+
+    def launch(node: int) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.nodes),
+                "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}",
+                "--rdzv-id", "fcdp-elastic", "--rdzv-conf", f"is_host={int(node == 0)}",
+                "--local-addr", cluster.address(node), "--monitor-interval", "0.2",
+                "--log-dir", str(logs / f"node{node}" / str(len(agent_logs))), "--redirects", "3",
+                "-m", "fcdp_deepspeed.tools.killpoint", *script_argv]
+        agent_logs.append(workdir / f"agent{node}.{len(agent_logs)}.log")
+        with open(agent_logs[-1], "wb") as log:
+            return cluster.popen(node, argv, env=e, stdout=log, stderr=subprocess.STDOUT)
+
     try:
         for node in range(cluster.nodes):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.nodes),
-                    "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}",
-                    "--rdzv-id", "fcdp-elastic", "--rdzv-conf", f"is_host={int(node == 0)}",
-                    "--local-addr", cluster.address(node), "--monitor-interval", "0.2",
-                    "--log-dir", str(logs / f"node{node}"), "--redirects", "3",
-                    "-m", "fcdp_deepspeed.tools.killpoint", *script_argv]
-            log = open(workdir / f"agent{node}.log", "wb")
-            agent_logs.append(workdir / f"agent{node}.log")
-            agents.append(cluster.popen(node, argv, env=e, stdout=log, stderr=subprocess.STDOUT))
-            log.close()
+            agents.append(launch(node))
         fired: set[int] = set()
         deadline = start + timeout
         while any(a.poll() is None for a in agents):
@@ -146,12 +150,16 @@ def run_elastic(cluster: EmulatedCluster, script_argv: Sequence[str], workdir: P
                 if i in fired or not (killdir / f"request.{i}").exists():
                     continue
                 (killdir / f"fired.{i}").write_text("")  # before the kill: restarted ranks pass the point
-                victims = _workers_of(agents[point.node].pid)
+                agent = agents[point.node]
+                victims = _workers_of(agent.pid) + ([agent.pid] if point.agent else [])
                 for pid in victims:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+                if point.agent:  # the node comes back: a new agent joins the next rendezvous round
+                    agent.wait()
+                    agents[point.node] = launch(point.node)
                 fired.add(i)
                 result.kills.append({"point": str(point), "pids": victims, "t": round(time.monotonic() - start, 2)})
             time.sleep(0.05)
@@ -165,6 +173,5 @@ def run_elastic(cluster: EmulatedCluster, script_argv: Sequence[str], workdir: P
         if metrics is not None and metrics.exists():
             result.metrics = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         if not result.ok:
-            result.log_tail = "\n".join(f"--- agent {i} ---\n{_tail(p)}" for i, p in enumerate(agent_logs)) + \
-                "\n" + _worker_log_tails(logs)
+            result.log_tail = "\n".join(f"--- {p.name} ---\n{_tail(p)}" for p in agent_logs) + "\n" + _worker_log_tails(logs)
     return result

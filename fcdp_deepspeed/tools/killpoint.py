@@ -7,7 +7,7 @@ runs ``train.py`` unchanged as ``__main__`` (as ``fcdp_deepspeed.run`` does). Ea
 ``NODE:STEP:PHASE``: every rank of node ``NODE`` (the launcher's ``GROUP_RANK``) that reaches
 ``PHASE`` while ``engine.global_steps == STEP`` (optimizer steps done) writes ``DIR/request.<i>``
 and waits there; the supervisor (:mod:`fcdp_deepspeed.tools.elastic`) writes ``DIR/fired.<i>``
-and SIGKILLs the node's ranks. A point whose ``fired`` file exists is passed through, so the
+and SIGKILLs the node's ranks (with ``:agent``, its torchrun agent too). A point whose ``fired`` file exists is passed through, so the
 restarted ranks run on. Phases:
 
 - ``forward``: after the middle parameterized module's forward pre-hooks (its parameters are
@@ -36,19 +36,23 @@ PHASES = ("forward", "backward", "step", "save", "latest")
 
 @dataclass(frozen=True)
 class KillPoint:
+    """``NODE:STEP:PHASE``, or ``NODE:STEP:PHASE:agent`` when the node's agent dies too (the supervisor then
+    starts a new one there, as a rebooted node would)."""
+
     node: int
     step: int
     phase: str
+    agent: bool = False
 
     def __str__(self) -> str:
-        return f"{self.node}:{self.step}:{self.phase}"
+        return f"{self.node}:{self.step}:{self.phase}" + (":agent" if self.agent else "")
 
     @classmethod
     def parse(cls, text: str) -> "KillPoint":
-        node, step, phase = text.strip().split(":")
-        if phase not in PHASES:
-            raise ValueError(f"{ENV}: unknown phase {phase!r} in {text!r} (one of {', '.join(PHASES)})")
-        return cls(int(node), int(step), phase)
+        node, step, phase, *scope = text.strip().split(":")
+        if phase not in PHASES or scope not in ([], ["agent"]):
+            raise ValueError(f"{ENV}: bad kill point {text!r} (NODE:STEP:PHASE[:agent], PHASE one of {', '.join(PHASES)})")
+        return cls(int(node), int(step), phase, bool(scope))
 
 
 def parse_points(text: str) -> list[KillPoint]:

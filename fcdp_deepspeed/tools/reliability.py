@@ -61,11 +61,14 @@ def random_point(rng: random.Random, phase: str, after: int = -1, last: int = ST
 
 def random_trials(n: int, seed: int) -> list[tuple[str, list[KillPoint]]]:
     """``n`` jobs, alternately exact and defaults; the first kill point's phase cycles through every phase;
-    every third job has a second kill point, in a random phase at a later step (a second restart)."""
+    every third job has a second kill point, in a random phase at a later step (a second restart); in every
+    fourth, node 1's agent dies with its ranks and a new one starts (node 0's agent hosts the rendezvous)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         points = [random_point(rng, PHASES[i % len(PHASES)], last=STEPS - 2 if i % 3 == 2 else STEPS)]
+        if i % 4 == 3:
+            points[0] = KillPoint(1, points[0].step, points[0].phase, agent=True)
         if i % 3 == 2:
             points.append(random_point(rng, rng.choice(PHASES), after=points[0].step))
         out.append((("exact", "defaults")[i % 2], points))
