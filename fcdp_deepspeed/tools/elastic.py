@@ -3,8 +3,9 @@
 One ``torchrun`` agent per network-namespace node (c10d rendezvous hosted by node 0's agent,
 ``--max-restarts``), each running the script through :mod:`fcdp_deepspeed.tools.killpoint`. When a
 node's ranks hold at a kill point, every rank of that node is SIGKILLed from here (a real kill
-mid-step, not an exit; with ``:agent`` the node's agent too, and a new agent is started on the node);
-the agents then restart the workers, and the script resumes from its last checkpoint. :func:`run_elastic` returns what happened: each kill, every metrics line the script's
+mid-step, not an exit; with ``:agent`` the node's agent too, and a new agent is started on the node,
+except on node 0, whose agent hosts the rendezvous: the job then ends); the agents then restart the
+workers, and the script resumes from its last checkpoint. :func:`run_elastic` returns what happened: each kill, every metrics line the script's
 rank 0 wrote, the agents' exit codes.
 """
 from __future__ import annotations
@@ -84,6 +85,17 @@ def _workers_of(agent_pid: int) -> list[int]:
     return found
 
 
+def _kill_leftovers(cluster: EmulatedCluster) -> None:
+    """Every process still in a node namespace once the agents are gone (ranks a dead agent left behind)."""
+    for node in range(cluster.nodes):
+        res = subprocess.run(["ip", "netns", "pids", cluster.ns(node)], capture_output=True, text=True, check=False)
+        for pid in res.stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
 def _tail(path: Path, chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -157,9 +169,11 @@ def run_elastic(cluster: EmulatedCluster, script_argv: Sequence[str], workdir: P
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                if point.agent:  # the node comes back: a new agent joins the next rendezvous round
+                if point.agent and point.node != 0:  # the node comes back: a new agent joins the next round
                     agent.wait()
                     agents[point.node] = launch(point.node)
+                # [Note: node 0's agent hosts the c10d rendezvous] with it gone the other agents fail
+                # (RendezvousConnectionError) and the job ends: it is relaunched whole, as a scheduler would.
                 fired.add(i)
                 result.kills.append({"point": str(point), "pids": victims, "t": round(time.monotonic() - start, 2)})
             time.sleep(0.05)
@@ -168,6 +182,7 @@ def run_elastic(cluster: EmulatedCluster, script_argv: Sequence[str], workdir: P
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
             a.wait()
+        _kill_leftovers(cluster)
         result.returncodes = [a.returncode for a in agents]
         result.wall_s = round(time.monotonic() - start, 1)
         if metrics is not None and metrics.exists():

@@ -128,6 +128,33 @@ def restart_trial(cluster: EmulatedCluster, work: Path, mode: str, points: list[
     return Trial("restart", mode, what, all(checks.values()), detail, round(time.monotonic() - t0, 1))
 
 
+def relaunch_trial(cluster: EmulatedCluster, work: Path, mode: str, point: KillPoint, ref: Path) -> Trial:
+    """Node 0 dies with its agent (the c10d rendezvous host): the job ends; relaunched whole with the same
+    arguments, as a scheduler requeues it, it resumes from ``latest`` and ends as the uninterrupted run."""
+    job = Path(tempfile.mkdtemp(prefix="job-", dir=work))
+    cfg = resize.write_config(job / "cfg.json", resize.config(mode))
+    argv = resize.script_argv(cfg, job / "ckpt", STEPS, INTERVAL, job / "metrics.jsonl")
+    t0 = time.monotonic()
+    first = run_elastic(cluster, argv, job / "first", kills=[point], metrics=job / "metrics.jsonl", timeout=300)
+    second = run_elastic(cluster, argv, job / "second", metrics=job / "metrics.jsonl", timeout=600)
+    expected = expected_resume(point)
+    ref_losses = _losses(resize.read_metrics(ref / "metrics.jsonl"))
+    checks = {"the killed job ended": not first.ok and not first.timed_out, "the relaunch finished": second.ok,
+              "resumed where predicted": second.resumed_at() == [expected],
+              "redid only the steps since the checkpoint": second.redone_steps() == point.step - expected,
+              "every loss as uninterrupted": all(ref_losses.get(m["step"]) == m["loss"] for m in second.steps)}
+    if second.ok:
+        checks["weights bitwise"] = resize.bitwise_equal(resize.fp32_weights(job / "ckpt"), resize.fp32_weights(ref / "ckpt"))
+    detail = {"kills": len(first.kills), "resumed_at": second.resumed_at(), "redone_steps": second.redone_steps(),
+              "expected_resume": [expected], "checks": checks, "group": f"node 0 with its agent, {mode}, relaunched",
+              "expect": "the job ends (the rendezvous lived in node 0's agent); the relaunched job resumed at the "
+                        "predicted checkpoint and ended bitwise as the uninterrupted run"}
+    if not all(checks.values()):
+        detail["log_tail"] = (first.log_tail + second.log_tail)[-3000:]
+    shutil.rmtree(job, ignore_errors=True)
+    return Trial("restart", mode, f"{point}, relaunched", all(checks.values()), detail, round(time.monotonic() - t0, 1))
+
+
 def resize_trials(work: Path, refs: dict[str, Path]) -> list[Trial]:
     """Each mode's 2 x 2 checkpoint at step 4, converted and resumed at :data:`SIZES` for the last 2 steps."""
     tag, out = "global_step4", []
@@ -224,6 +251,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             for mode, points in jobs:
                 trials.append(restart_trial(cluster, work, mode, points, refs[mode]))
                 print(json.dumps(asdict(trials[-1]))[:400], flush=True)
+            trials.append(relaunch_trial(cluster, work, "exact", KillPoint(0, 3, "backward", agent=True), refs["exact"]))
+            print(json.dumps(asdict(trials[-1]))[:400], flush=True)
             if args.failure_modes:
                 for mode, point, env, expect in (
                         ("plain", KillPoint(1, 4, "save"), None,
