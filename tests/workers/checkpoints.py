@@ -58,15 +58,15 @@ def checkpoint_interop(ckpt_dir: str, steps: int = 2) -> dict:
 
 
 
-def latest_after_every_file(ckpt_dir: str, slow: tuple = (2, 3), delay: float = 1.0) -> dict:
-    """Plain ZeRO-3, then FCDP: node 1's ranks write their optimizer states ``delay`` s late; rank 0 records
-    whether every rank's file existed when it was about to write ``latest`` (``checkpoint_engine.commit``)."""
+def latest_after_every_file(ckpt_dir: str, slow: tuple = (1,), delay: float = 1.0) -> dict:
+    """2 nodes x 1, plain ZeRO-3 then FCDP: node 1's rank writes its optimizer states ``delay`` s late; rank 0
+    records whether every rank's file existed when it was about to write ``latest`` (``checkpoint_engine.commit``)."""
     import os
     import time
-    setup()
+    setup(ranks_per_node=1)
     out = {}
     for mode in ("plain", "fcdp"):
-        engine = toy.build_engine(toy.ds_config(fcdp_block() if mode == "fcdp" else None, regime="large"))
+        engine = toy.build_engine(toy.ds_config(fcdp_block(1) if mode == "fcdp" else None, regime="large"))
         toy.train(engine, 1)
         tag, world = f"{mode}_step1", dist.get_world_size()
         if dist.get_rank() in slow:
