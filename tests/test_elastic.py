@@ -86,3 +86,16 @@ def test_universal_checkpoint_resumes_at_1x2_like_plain_zero3(reference, tmp_pat
     assert resize.bitwise_equal(fcdp_w, plain_w)
     assert {m["world"] for m in fcdp} == {2}
     assert glob.glob(str(tmp_path / "fcdp-run-*")) == []
+
+
+def test_kill_points_and_the_checkpoint_each_resumes_from():
+    """What the sweep predicts (scripts/reliability.sh: 6 steps, a checkpoint every 2): a kill while files are
+    written, or on node 0 before rank 0 writes ``latest``, loses that checkpoint; one on another node after it
+    does not; a whole node is ``:agent``."""
+    from fcdp_deepspeed.tools.killpoint import parse_points
+    from fcdp_deepspeed.tools.reliability import expected_resume
+    points = parse_points("1:3:forward; 0:4:backward; 1:5:step; 0:4:save; 1:4:save; 0:4:latest; 1:4:latest:agent")
+    assert [expected_resume(p) for p in points] == [2, 4, 4, 2, 2, 2, 4]
+    assert points[-1].agent and str(points[-1]) == "1:4:latest:agent"
+    with pytest.raises(ValueError):
+        parse_points("1:3:sideways")

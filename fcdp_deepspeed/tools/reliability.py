@@ -214,12 +214,20 @@ def table(trials: list[Trial], meta: dict) -> str:
         groups.setdefault(label, []).append(t)
     for label, ts in groups.items():
         kind = ts[0].kind if ts[0].kind != "resize" else f"resize {ts[0].mode}"
-        kills = sum(t.detail.get("kills", 0) for t in ts) if kind == "restart" else "-"
+        kills: object = sum(t.detail.get("kills", 0) for t in ts) if kind == "restart" else "-"
+        whole = sum(t.what.count(":agent") for t in ts)
+        if whole:
+            kills = f"{kills} ({whole} with the node's agent)"
         what = ts[0].detail.get("expect") or CHECKS[kind]
         diffs = [t.detail["max_rel_weight_diff_vs_plain"] for t in ts if "max_rel_weight_diff_vs_plain" in t.detail]
         if kind == "resize defaults" and diffs:
             what += f" (largest: {max(diffs):.1e})"
         rows.append(f"| {label} | {len(ts)} | {kills} | {sum(t.ok for t in ts)} | {what} |")
+    restarts = [t for t in trials if t.kind == "restart"]
+    rows.append(f"\nIn all: {len(restarts)} jobs with {sum(t.detail.get('kills', 0) for t in restarts)} kills and "
+                f"{len(trials) - len(restarts)} conversions and resizes; {sum(t.ok for t in trials)} of {len(trials)} as "
+                f"expected; {'no' if not meta.get('namespaces_left') and not meta.get('temp_dir_left') else 'SOME'} "
+                f"network namespace or temporary directory left behind.")
     return "\n".join(rows) + (f"\n\n(`bash scripts/reliability.sh`, seed {meta['seed']}, {meta['date']}: "
                               f"{meta['wall_s'] / 60:.0f} minutes on the 2-core machine shared with other jobs; every "
                               f"job: docs/reliability_results.json.)")
@@ -240,7 +248,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="also the two jobs that must fail: plain ZeRO-3 killed in save on node 1, torch's shared store")
     ap.add_argument("--json", default=str(resize.ROOT / "docs" / "reliability_results.json"))
     ap.add_argument("--doc", default=str(resize.ROOT / "docs" / "reliability.md"))
+    ap.add_argument("--table-only", action="store_true", help="rewrite the doc's table from --json, run nothing")
     args = ap.parse_args(argv)
+    if args.table_only:
+        saved = json.loads(Path(args.json).read_text())
+        update_doc(Path(args.doc), table([Trial(**t) for t in saved["trials"]], saved["meta"]))
+        return
     t0 = time.monotonic()
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="fcdp-reliability-") as tmp:
