@@ -39,6 +39,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
 def test_node_killed_mid_step_resumes_to_the_uninterrupted_weights(reference, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
