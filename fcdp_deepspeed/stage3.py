@@ -13,7 +13,8 @@ Invalidation events (every path that writes a parameter's bit16 value):
 - ``invalidate_secondary_tensor`` (end of every applied step, ``_post_step``): everything the
   optimizer owns or that requires grad, and any param whose ``requires_grad`` flipped;
 - ``checkpoint_event_epilogue`` (load/save checkpoint, 16-bit consolidation): everything, frozen
-  params included (``load_checkpoint`` writes frozen partitions directly; hpZ misses that);
+  params included (``load_checkpoint`` writes frozen partitions directly; hpZ misses that); it also
+  waits for every rank, so that ``latest`` is written only after every rank's checkpoint files;
 - ``partition(has_been_updated=True)`` (``GatheredParameters(modifier_rank=...)``): refreshed in
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
@@ -246,6 +247,12 @@ class FCDPStage3(CountedStage3):
         if self.fcdp_grads is not None:
             self.fcdp_grads.new_window(discard=True)
         super().checkpoint_event_epilogue()
+        if self.fcdp is not None:
+            # [Note: `latest` names a complete checkpoint] save_checkpoint calls this after the rank wrote its
+            # files and before global rank 0 writes `latest`, with no collective in between (DeepSpeed 0.19.8,
+            # engine.py save_checkpoint): a node killed while writing its optimizer states left `latest` naming
+            # a checkpoint without them, and every restart failed to load it. Every rank's files first.
+            dist.barrier()
 
 
 class CountedZeROOffload(DeepSpeedZeRoOffload):

@@ -1,5 +1,6 @@
 """Checkpoints: engines load each other's checkpoints, ``zero_to_fp32`` and 16-bit saves are
-identical, and a rank killed mid-step leaves a loadable checkpoint."""
+identical, a rank killed mid-step leaves a loadable checkpoint, and ``latest`` is written only after
+every rank's checkpoint files."""
 from __future__ import annotations
 
 import glob
@@ -53,3 +54,13 @@ def test_rank_killed_mid_step_leaves_a_loadable_checkpoint(tmp_path, monkeypatch
     for f, p in zip(fcdp, plain):
         assert f["losses"] == p["losses"]
     assert all(torch.equal(fcdp[0]["weights"][k], plain[0]["weights"][k]) for k in plain[0]["weights"])
+
+
+
+def test_latest_is_written_after_every_rank_s_files(tmp_path):
+    """DeepSpeed's rank 0 writes ``latest`` after its own files without waiting for the others: with node 1 slower
+    to write its optimizer states, plain ZeRO-3 (the broken variant) names a checkpoint they are not in yet, so a
+    node killed then leaves ``latest`` naming a checkpoint every restart fails to load (seen under torchrun:
+    scripts/reliability.sh). FCDP waits for every rank in the checkpoint epilogue before ``latest``."""
+    res = run_ranks("checkpoints:latest_after_every_file", 2, timeout=180, ckpt_dir=str(tmp_path))
+    assert res[0] == {"plain": False, "fcdp": True}

@@ -1,4 +1,5 @@
-"""Workers of test_checkpoints.py: save/load across engine kinds, a rank killed mid-step, resume."""
+"""Workers of test_checkpoints.py: save/load across engine kinds, a rank killed mid-step, resume, when
+``latest`` is written."""
 from __future__ import annotations
 
 from deepspeed import comm as dist
@@ -53,4 +54,31 @@ def checkpoint_interop(ckpt_dir: str, steps: int = 2) -> dict:
             engine.load_checkpoint(ckpt_dir, tag=saved)
             out[f"{loader}_loads_{saved}"] = forward(engine, 32)
             out[f"{loader}_loads_{saved}_train"] = toy.train(engine, 2, seed=9).losses
+    return out
+
+
+
+def latest_after_every_file(ckpt_dir: str, slow: tuple = (1,), delay: float = 1.0) -> dict:
+    """2 nodes x 1, plain ZeRO-3 then FCDP: node 1's rank writes its optimizer states ``delay`` s late; rank 0
+    records whether every rank's file existed when it was about to write ``latest`` (``checkpoint_engine.commit``)."""
+    import os
+    import time
+    setup(ranks_per_node=1)
+    out = {}
+    for mode in ("plain", "fcdp"):
+        engine = toy.build_engine(toy.ds_config(fcdp_block(1) if mode == "fcdp" else None, regime="large"))
+        toy.train(engine, 1)
+        tag, world = f"{mode}_step1", dist.get_world_size()
+        if dist.get_rank() in slow:
+            save_zero = engine._save_zero_checkpoint
+            engine._save_zero_checkpoint = lambda *a, **k: (time.sleep(delay), save_zero(*a, **k))
+        if dist.get_rank() == 0:
+            commit = engine.checkpoint_engine.commit
+
+            def check_then_commit(info):
+                out[mode] = all(os.path.exists(os.path.join(ckpt_dir, tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+                                for r in range(world))
+                return commit(info)
+            engine.checkpoint_engine.commit = check_then_commit
+        engine.save_checkpoint(ckpt_dir, tag=tag)
     return out
