@@ -94,6 +94,15 @@ class Budget:
                               f"a percentage string (e.g. \"20%\"), a size (e.g. \"8GiB\") or \"auto\".")
 
 
+def _refuse_flat_compression(data: Any) -> None:
+    """``grad_compression`` compresses the hierarchical reduce's inter-node stage: refuse it with ``grad_reduce: flat``."""
+    if isinstance(data, Mapping) and data.get("grad_compression", "off") != "off" and data.get("grad_reduce") == "flat":
+        raise FCDPConfigError(f"fcdp.grad_compression = {data['grad_compression']!r} compresses the inter-node stage "
+                              "of the hierarchical gradient reduce-scatter, which fcdp.grad_reduce = \"flat\" does "
+                              "not run. Fix: set grad_reduce to \"hierarchical\" (or leave it out), or "
+                              "grad_compression to \"off\".")
+
+
 class FCDPConfig(DeepSpeedConfigModel):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
@@ -185,6 +194,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
+        _refuse_flat_compression(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -309,6 +319,12 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_hpz_partition_size > 1:
         problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
                         "topology-derived node cache. Fix: remove zero_hpz_partition_size")
+    fcdp = parse_fcdp_config(ds_config)
+    if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
+        problems.append(f"fcdp.grad_compression = \"{fcdp.grad_compression}\" with zero_optimization.zero_quantized_gradients "
+                        "(ZeRO++ qgZ): both quantize the gradient reduction, and qgZ bypasses the reduce-scatter FCDP "
+                        "compresses (and has no error feedback). Fix: set zero_quantized_gradients false, or "
+                        "grad_compression \"off\"")
     if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
         problems.append("zero_optimization.zero_quantized_weights / zero_quantized_nontrainable_weights (ZeRO++ qwZ) "
                         "are not supported with fcdp. Fix: set them to false")

@@ -35,6 +35,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed import device, ds_compat, grads, strict_device
+from fcdp_deepspeed.compress import grads as compress_grads, state as compress_state
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -106,7 +107,61 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             return super().step(closure)
 
 
-class FCDPStage3(CountedStage3):
+class CompressionSteps:
+    """``FCDPStage3``'s compression state around DeepSpeed's step and checkpoints (a mixin before
+    ``CountedStage3``): error-feedback residuals are committed when a step is applied and dropped otherwise
+    ([Note: residual commit] in ``compress/residual.py``), and saved/loaded in the ``fcdp_compression``
+    envelope of the optimizer's state dict ([Note: the compression envelope] in ``compress/state.py``)."""
+
+    fcdp_grads: "grads.GradReducer | None"
+    #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
+    #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
+    _fcdp_stepping = False
+
+    def _fcdp_compressor(self):
+        return None if self.fcdp_grads is None else self.fcdp_grads.comm.compressor
+
+    def _pre_step(self) -> None:
+        super()._pre_step()
+        self._fcdp_stepping = True
+
+    def zero_grad(self, set_to_none=True) -> None:
+        super().zero_grad(set_to_none)
+        compressor = self._fcdp_compressor()
+        if compressor is not None and not (self._fcdp_stepping and not self.overflow):
+            compressor.discard(skipped=self._fcdp_stepping)  # inside step(): the overflow clean-up of a skipped step
+            self._fcdp_stepping = False
+
+    def _post_step(self, timer_names) -> None:
+        compressor = self._fcdp_compressor()
+        if compressor is not None:
+            compressor.commit()
+        self._fcdp_stepping = False
+        super()._post_step(timer_names)
+
+    def checkpoint_event_epilogue(self) -> None:
+        compressor = self._fcdp_compressor()
+        if compressor is not None:
+            compressor.discard(skipped=False)
+        super().checkpoint_event_epilogue()
+
+    def state_dict(self):
+        out = super().state_dict()
+        envelope = compress_state.save_envelope(self)
+        if envelope:
+            out[compress_state.ENVELOPE_KEY] = envelope
+        return out
+
+    def load_state_dict(self, state_dict_list, *args, **kwargs):
+        result = super().load_state_dict(state_dict_list, *args, **kwargs)
+        load_states = kwargs.get("load_optimizer_states", args[0] if args else True)
+        universal = kwargs.get("checkpoint_folder", args[2] if len(args) > 2 else None)
+        mine = None if universal or not load_states else state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        compress_state.load_envelope(self, None if mine is None else mine.get(compress_state.ENVELOPE_KEY))
+        return result
+
+
+class FCDPStage3(CompressionSteps, CountedStage3):
     """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
@@ -135,6 +190,9 @@ class FCDPStage3(CountedStage3):
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config))
+        compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads,
+                                         [p for p in params if p.requires_grad], self.communication_data_type,
+                                         lambda: self.loss_scale)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:

@@ -1,7 +1,7 @@
 """The two stages' collectives: a reduce-scatter inside the node, then one among the node peers."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,6 +24,8 @@ class StageCollectives:
         backend = _comm_module.cdb.get_backend(dp_group)
         #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there.
         self.use_alltoall = str(backend).lower() == "gloo"
+        #: ``fcdp.grad_compression``'s stage 2 (``compress/grads.py``: ``GradCompressor``), set when it is on.
+        self.compressor: Any = None
 
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
@@ -42,6 +44,14 @@ class StageCollectives:
     def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
         return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
+
+    def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
+                     ds_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Stage 2 of the parameters ``ds_ids``: :meth:`inter_node`, or quantized with error feedback where
+        ``fcdp.grad_compression`` holds a residual for them ([Note: the compressed exchange])."""
+        if self.compressor is None:
+            return self.inter_node(node_sums, comm_dtype)
+        return self.compressor.inter_node(node_sums, ds_ids, lambda sums: self.inter_node(sums, comm_dtype))
 
     def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype) -> list[torch.Tensor]:
         """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum."""

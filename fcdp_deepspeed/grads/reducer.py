@@ -111,7 +111,8 @@ class GradReducer:
                 cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
             deliver.append((i, cols))
         if deliver:
-            for (i, _), own in zip(deliver, self.comm.inter_node([c for _, c in deliver], comm_dtype)):
+            ids = [params[i].ds_id for i, _ in deliver]
+            for (i, _), own in zip(deliver, self.comm.across_nodes([c for _, c in deliver], comm_dtype, ids)):
                 results[i] = own.narrow(0, 0, own_chunk_numel(params[i].ds_numel, world, layout.dp_rank))
         self.delivery.delivered(params[i].ds_id for i, _ in deliver)
         self.counters.bump(accumulated=len(params) - len(deliver), delivered=len(deliver))
@@ -135,7 +136,7 @@ class GradReducer:
             # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
             sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
                     for i in batch]
-            owns = self.comm.inter_node(sums, comm_dtype)
+            owns = self.comm.across_nodes(sums, comm_dtype, batch)
             parts = [own.narrow(0, 0, own_chunk_numel(p.ds_numel, world, self.layout.dp_rank))
                      for p, own in zip(params, owns)]
             self.delivery.delivered(batch)
@@ -167,4 +168,5 @@ class GradReducer:
             "grad_accumulated": c.accumulated,
             "grad_delivered": c.delivered,
             "grad_flushed": c.flushed,
+            **(self.comm.compressor.stats() if self.comm.compressor is not None else {}),
         }

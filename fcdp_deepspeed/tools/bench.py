@@ -37,10 +37,13 @@ ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
 FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
-               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"}}
+               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
+               "fcdp_node_int8": {"grad_accumulation": "node", "grad_compression": "int8"},
+               "fcdp_node_int4": {"grad_accumulation": "node", "grad_compression": "int4"}}
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
-#: flat ring for misses, to compare the two-stage gather side by side in one run).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat")
+#: flat ring for misses, to compare the two-stage gather side by side in one run) and ``fcdp_node_int8`` /
+#: ``fcdp_node_int4`` (``fcdp_node`` with the lossy ``grad_compression``; ``--compression-block``).
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_int8", "fcdp_node_int4")
 
 
 @dataclass
@@ -63,6 +66,8 @@ class BenchSpec:
     regime: str = "large"
     param_gather: str = "auto"
     """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
+    compression_block: int = 128
+    """``fcdp.compression_block`` of the compressed engines (``fcdp_node_int8``, ``fcdp_node_int4``)."""
     timeout_s: float = 900
 
 
@@ -101,7 +106,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     records = []
     for engine_name in s.engines:
         block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host",
-                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
+                  "param_gather": s.param_gather, "compression_block": s.compression_block, **FCDP_BLOCKS[engine_name]}
+                 if engine_name in FCDP_BLOCKS else None)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -137,6 +143,13 @@ def rank_main(spec: dict, job: str) -> list[dict]:
                                                           stats0["inter_node_allgather_bytes"]) / s.steps,
             "grad_reduce_inter_node_bytes_per_step_rank0": (stats1["inter_node_grad_reduce_bytes"] -
                                                             stats0["inter_node_grad_reduce_bytes"]) / s.steps,
+            # grad_compression: the compressed rows' share of the inter-node gradient bytes (the ledger counts them as
+            # sent: uint8 rows), and the error-feedback residuals' memory
+            "grad_compression": stats1.get("grad_compression", "off"),
+            "grad_compressed_inter_node_bytes_per_step_rank0": (stats1.get("grad_compressed_inter_node_bytes", 0) -
+                                                               stats0.get("grad_compressed_inter_node_bytes", 0)) / s.steps,
+            "grad_residual_host_bytes_per_rank": stats1.get("grad_residual_host_bytes", 0),
+            "grad_residual_rel_norm": stats1.get("grad_residual_rel_norm", 0.0),
             "grad_buffer_host_bytes_per_rank": stats1.get("grad_buffer_host_bytes", 0),
             "host_cache_bytes_per_rank": stats1.get("host_pool_bytes", 0),
             "device_cache_bytes_per_rank": stats1.get("device_pool_bytes", 0),
@@ -165,7 +178,8 @@ def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
     row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
     row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
     for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
-                "allgather_inter_node_bytes_per_step_rank0", "grad_reduce_inter_node_bytes_per_step_rank0"):
+                "allgather_inter_node_bytes_per_step_rank0", "grad_reduce_inter_node_bytes_per_step_rank0",
+                "grad_compressed_inter_node_bytes_per_step_rank0"):
         row[key] = statistics.fmean(r[key] for r in repeats)
     row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
     row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
@@ -362,7 +376,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     unlimited_x = (max(rates) * 4) if rates else 1
     for col, job in enumerate(jobs):
-        for engine, style in zip((*ALL_ENGINES, "bound"), ("o-", "s--", "^-", "D-", "v--", "k:")):
+        for engine, style in zip((*ALL_ENGINES, "bound"), ("o-", "s--", "^-", "D-", "v--", "P-", "X-", "k:")):
             pts = sorted(((r["rate_mbit"] or unlimited_x, r) for r in rows
                           if _job_key(r) == job and r["engine"] == engine and r["samples_per_s"]), key=lambda p: p[0])
             if not pts:
@@ -404,6 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--regime", choices=["large", "default"], default="large")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
                     help="fcdp.param_gather of the FCDP engines")
+    ap.add_argument("--compression-block", type=int, default=128,
+                    help="fcdp.compression_block of fcdp_node_int8 / fcdp_node_int4")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -416,7 +432,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
                      warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
-                     regime=args.regime, param_gather=args.param_gather)
+                     regime=args.regime, param_gather=args.param_gather, compression_block=args.compression_block)
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         rows = run_bench(spec, Path(args.out), progress=not args.no_progress)

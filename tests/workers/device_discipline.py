@@ -50,6 +50,19 @@ def sabotage(kind: str) -> None:
         NodeCache._fill = _fill
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
+    elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
+        from fcdp_deepspeed.compress import residual
+        original_to_accel = residual.device.to_accel
+
+        class _Blocking:
+            def __getattr__(self, name):
+                return getattr(device, name)
+
+            @staticmethod
+            def to_accel(t, out=None, *, non_blocking=True):
+                return original_to_accel(t, out, non_blocking=False)
+
+        residual.device = _Blocking()
     elif kind:
         raise ValueError(kind)
 
