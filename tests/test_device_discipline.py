@@ -29,7 +29,7 @@ SCENARIOS = [
     # grad_compression: host residuals (copied to the accelerator and back around each exchange), host node buffer,
     # the flush path compressed too
     dict(name="host_full_node_int8_gated", fcdp={"cache_device": "host", **NODE, "grad_compression": "int8"},
-         grad_accum=4, gate={3}, steps=3, rtol=2e-2),
+         grad_accum=4, gate={3}, steps=3, rtol=2e-2, weights_rtol=0.1),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)
@@ -75,8 +75,8 @@ def test_strict_mode_runs_and_matches_zero3(strict, name):
             rtol = sc.get("rtol", RTOL)
             for a, b in zip(plain["losses"], fcdp["losses"]):
                 assert abs(a - b) <= rtol * abs(a)
-            for key, w in plain["weights"].items():
-                assert (fcdp["weights"][key] - w).norm() <= rtol * w.norm(), key
+            for key, w in plain["weights"].items():  # lossy: Adam moves near-zero gradients by +-lr either way
+                assert (fcdp["weights"][key] - w).norm() <= sc.get("weights_rtol", rtol) * w.norm(), key
         else:  # the cache alone: bit-identical
             assert fcdp["losses"] == plain["losses"]
             for key, w in plain["weights"].items():
@@ -118,7 +118,7 @@ def test_blocking_residual_copy_is_counted():
     per_rank = run_ranks("device_discipline:strict_runs", 4, timeout=600,
                          scenarios=[{**BY_NAME["host_full_node_int8_gated"], "steps": 2}], break_kind="blocking_residual")
     problems = steady_excess(per_rank[0]["host_full_node_int8_gated"])
-    assert problems and "blocking_copy" in problems[0] and "residual.py" in problems[0], problems
+    assert problems and "('blocking_copy'" in problems[0] and "to_accel" in problems[0], problems
 
 
 def test_strict_door_tells_host_from_accelerator():

@@ -44,9 +44,8 @@ class CompressionCounters(EventCounters):
     exchanges: int = 0
     """Compressed inter-node collectives."""
     compressed_bytes: int = 0
-    """Bytes this rank received in them (the ledger's model: (N-1)/N of the packed rows)."""
-    exact_bytes: int = 0
-    """Bytes received in exact inter-node stages of parameters without a residual slot."""
+    """Bytes this rank received in them (the ledger's model: (N-1)/N of the packed rows); the rest of the engine's
+    ``inter_node_grad_reduce_bytes`` crossed exact (``grad_exact_inter_node_bytes``, ``engine_stats.py``)."""
     restores: int = 0
     """Overflow-skipped steps that left the committed residual as it was (a pending one was dropped)."""
     discards: int = 0
@@ -56,7 +55,7 @@ class CompressionCounters(EventCounters):
 
 
 class GradCompressor:
-    """One engine's compressed inter-node stage and its residuals (built by :func:`build_compressor`)."""
+    """One engine's compressed inter-node stage and its residuals (built by :func:`attach_compressor`)."""
 
     def __init__(self, codec: Codec, layout: ReduceLayout, peer_group: Any, store: ResidualStore,
                  accumulation_dtype: torch.dtype, loss_scale: Callable[[], float], left_out_bytes: int = 0) -> None:
@@ -75,14 +74,12 @@ class GradCompressor:
         if len(mine) == len(ds_ids):
             return self.exchange(node_sums, ds_ids)
         out: list[Optional[torch.Tensor]] = [None] * len(ds_ids)
-        rest = [i for i in range(len(ds_ids)) if i not in set(mine)]
+        rest = sorted(set(range(len(ds_ids))) - set(mine))
         if mine:
             for i, own in zip(mine, self.exchange([node_sums[i] for i in mine], [ds_ids[i] for i in mine])):
                 out[i] = own
         for i, own in zip(rest, exact([node_sums[i] for i in rest])):
             out[i] = own
-        n = self.layout.nodes
-        self.counters.bump(exact_bytes=sum(node_sums[i].numel() * node_sums[i].element_size() for i in rest) * (n - 1) // n)
         return out  # type: ignore[return-value]
 
     def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
@@ -97,8 +94,10 @@ class GradCompressor:
                 x[:, offset:offset + p].add_(residual)
             offset += p
         packed = self.codec.encode_rows(x)
-        left = x - self.codec.decode_rows(packed, x.shape[1])  # the sender decodes its own bytes
-        self._accumulate(left, x)
+        quantized_sq = x.square().sum()
+        # the sender decodes its own bytes; not in place: a codec's packed rows may alias its input (IdentityCodec)
+        left = x - self.codec.decode_rows(packed, x.shape[1])
+        self._accumulate(left, quantized_sq)
         offset = 0
         for ds_id, p in zip(ds_ids, sizes):
             self.store.write(ds_id, left[:, offset:offset + p], scale)
@@ -106,7 +105,7 @@ class GradCompressor:
         self.store.writes_done()
         recv = torch.empty_like(packed)
         dist.all_to_all_single(recv, packed, group=self.peer_group)
-        rows = self.codec.decode_rows(recv, x.shape[1])
+        rows = self.codec.decode_rows(recv, left.shape[1])
         total = rows[0].clone()
         for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
             total.add_(row)
@@ -114,8 +113,8 @@ class GradCompressor:
             "all_to_all_single", {"input": packed}, self.layout.nodes, 0))
         return list(total.to(self.accumulation_dtype).split(sizes))
 
-    def _accumulate(self, left: torch.Tensor, x: torch.Tensor) -> None:
-        sq = torch.stack([left.square().sum(), x.square().sum()])
+    def _accumulate(self, left: torch.Tensor, quantized_sq: torch.Tensor) -> None:
+        sq = torch.stack([left.square().sum(), quantized_sq])
         self._window_sq = sq if self._window_sq is None else self._window_sq + sq
 
     # -- the step (called by FCDPStage3, see [Note: residual commit]) ---------------------------------------
@@ -159,7 +158,6 @@ class GradCompressor:
         return {
             "grad_compression": self.codec.name,
             "grad_compressed_inter_node_bytes": c.compressed_bytes,
-            "grad_exact_inter_node_bytes": c.exact_bytes,
             "grad_compressed_exchanges": c.exchanges,
             "grad_residual_host_bytes": store.nbytes if store.device == "host" else 0,
             "grad_residual_device_bytes": store.nbytes if store.device == "device" else 0,

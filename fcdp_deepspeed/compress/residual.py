@@ -37,6 +37,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
 from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.grads.buffer import BufferPlanner, fitting_prefix
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
@@ -166,14 +169,11 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
             store.offsets[p.ds_id] = (offset, numel)
             offset += numel
     left_out = sum(numels[fits:]) * SLOTS * ELEMENT_BYTES
-    if fits < len(params):
-        from deepspeed import comm as dist
-        from deepspeed.utils import logger
-        if dist.get_rank() == 0:
-            logger.warning(f"fcdp: grad_compression error-feedback residuals need {fmt_bytes(sum(numels) * SLOTS * 4)} "
-                           f"per rank but {fmt_bytes(budget)} of fcdp.grad_buffer_budget is left (or allocation failed); "
-                           f"{len(params) - fits} of {len(params)} trainable parameters cross nodes exact instead. Raise "
-                           f"fcdp.grad_buffer_budget to compress them.")
+    if fits < len(params) and dist.get_rank() == 0:
+        logger.warning(f"fcdp: grad_compression error-feedback residuals need {fmt_bytes(sum(numels) * SLOTS * 4)} "
+                       f"per rank but {fmt_bytes(budget)} of fcdp.grad_buffer_budget is left (or allocation failed); "
+                       f"{len(params) - fits} of {len(params)} trainable parameters cross nodes exact instead. Raise "
+                       f"fcdp.grad_buffer_budget to compress them.")
     return store, left_out
 
 
