@@ -48,6 +48,8 @@ SCENARIOS = [
     dict(name="overflow_commit_on_skip", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2},
          record_residual=True, **{"break": "commit_on_skip"}),
     dict(name="lora_budget", fcdp={**HIER, **INT8, "grad_buffer_budget": LORA_BUDGET}, lora_rank=2, steps=2),
+    # the residuals cannot be allocated on rank 1: every rank crosses exact
+    dict(name="alloc_fault", fcdp={**HIER, **INT8}, steps=1, fault="alloc_residual_host@1"),
 ]
 REFUSALS = [
     dict(fcdp={**INT8, "grad_reduce": "flat"}),
@@ -154,6 +156,14 @@ def test_a_residual_budget_covers_a_prefix_and_the_rest_crosses_exact(runs):
         assert s["grad_compressed_inter_node_bytes"] == 2 * codec_for("int8", 128).wire_numel(3 * 16)
         assert s["grad_exact_inter_node_bytes"] == 2 * 5 * 16 * 4
         assert len(per_rank["lora_budget"]["warnings"]) == (1 if rank == 0 else 0)
+
+
+def test_a_failed_residual_allocation_on_one_rank_is_agreed(runs):
+    for rank, per_rank in enumerate(runs):
+        s = per_rank["alloc_fault"]["stats"][-1]
+        assert s["grad_residual_params"] == 0 and s["grad_residual_host_bytes"] == 0
+        assert s["grad_compressed_inter_node_bytes"] == 0 and s["grad_exact_inter_node_bytes"] == s["inter_node_grad_reduce_bytes"] > 0
+        assert len(per_rank["alloc_fault"]["warnings"]) == (1 if rank == 0 else 0)
 
 
 @pytest.mark.parametrize("i, needle", [(0, "fcdp.grad_compression = 'int8' compresses the inter-node stage"),

@@ -147,8 +147,13 @@ def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
 
 
 def run(sc: dict) -> dict:
+    if sc.get("fault"):
+        os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
     with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")):
-        engine = grad_workers.build(sc, config(sc))
+        try:
+            engine = grad_workers.build(sc, config(sc))
+        finally:
+            os.environ.pop("FCDP_INJECT_FAULT", None)
         if sc.get("overflow_at"):
             grad_workers.inject_overflow(engine, sc["overflow_at"])
         res = train(engine, sc)
@@ -198,6 +203,5 @@ def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: 
         res["warnings"] = [m for m in log.messages[first:] if m.startswith("fcdp:") and "residuals need" in m]
         out[sc["name"]] = res
     out["checkpoint"] = checkpoint(ckpt_dir, checkpoint_scenario, engines[exact_for_checkpoint])
-    os.environ.pop("FCDP_INJECT_FAULT", None)
     out["refusals"] = grad_workers.refusals(refusals)
     return out
