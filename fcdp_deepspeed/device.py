@@ -106,6 +106,10 @@ class Door:
     def current_stream(self) -> Any:
         return get_accelerator().current_stream() if self.has_streams() else None
 
+    def new_stream(self, name: str) -> Any:
+        """A stream of FCDP's own (``None`` without streams); ``name`` says what it is for (strict mode's log)."""
+        return get_accelerator().Stream() if self.has_streams() else None
+
     def stream(self, s: Any) -> ContextManager:
         return get_accelerator().stream(s) if s is not None and self.has_streams() else nullcontext()
 
@@ -215,6 +219,10 @@ def small_to_host(t: torch.Tensor) -> list:
 
 def current_stream() -> Any:
     return _DOOR.current_stream()
+
+
+def new_stream(name: str) -> Any:
+    return _DOOR.new_stream(name)
 
 
 def stream(s: Any) -> ContextManager:

@@ -240,6 +240,9 @@ class StrictDoor(device.Door):
     def current_stream(self) -> Any:
         return getattr(_LOCAL, "stream", None) or self.default_stream
 
+    def new_stream(self, name: str) -> Any:
+        return FakeStream(name)
+
     @contextmanager
     def _on(self, s: FakeStream) -> Iterator[None]:
         previous, _LOCAL.stream = getattr(_LOCAL, "stream", None), s

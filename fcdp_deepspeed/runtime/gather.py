@@ -18,13 +18,30 @@ gradient path already uses). The slot views, listed by DP rank, go to DeepSpeed'
 flat gather, so the release hook fills the cache slot as before. No buffer beyond DeepSpeed's own
 flat one: the stage inputs are views of the output (in-place all-gathers, as DeepSpeed's flat path).
 
-[Note: streams] The coordinator issues gathers on its all-gather stream. Stage 2 must see stage 1's
-output: ``work.wait()`` between the stages makes the current (all-gather) stream wait for stage 1
-(NCCL: no host block; gloo: the host waits). The handle's ``wait`` then orders stage 2 before the
-compute stream reads ``param.data`` and records the slot views on it, as DeepSpeed does.
-[Measured: deferring stage 2 into the handle's ``wait`` on gloo, so the host does not wait on stage 1
-at issue time, changed nothing on the emulated 2x2 cluster (1.426 vs 1.419 s per step, 100 Mbit/s,
-large release regime; 1.417 vs 1.436 s with DeepSpeed's default prefetch), so the single path stays.]
+[Note: streams] Three streams take part (CUDA; on the CPU accelerator there are none and gloo runs
+every collective on the host):
+
+- the *issuing* stream (DeepSpeed's all-gather stream, current when the coordinator issues a fetch):
+  allocates the flat buffer and copies this rank's partitions into it (host -> accelerator under
+  ``offload_param``). Nothing else is queued on it, so it never waits for a collective at issue time;
+- the engine's *gather* stream (``HierarchicalGather.stream``, one per engine, through the door): waits
+  for the issuing stream (the partition copies), then runs stage 1 with ``async_op=False``, which NCCL
+  (torch >= 2.8) enqueues on the current stream, so stage 1 is ordered before stage 2 by this stream
+  alone (no ``Work.wait`` at issue time: with ``TORCH_NCCL_BLOCKING_WAIT=1`` that would be a host wait).
+  Stage 2 is issued asynchronously from it, so it starts after stage 1. The flat buffer, allocated on
+  the issuing stream, is ``record_stream``-ed here. Anything between the stages (the dequantization of
+  ``fcdp.param_compression``) runs on this stream too;
+- the *waiting* stream (whichever is current when DeepSpeed's handle waits, the all-gather stream
+  again under the coordinator): ``AllGatherCoalescedHandle.wait`` waits on stage 2's work (stream-only
+  on NCCL, a host wait on gloo, as for DeepSpeed's own flat gather), so it is ordered after both
+  stages, and records the partition views on the stream that reads them.
+
+Before, stage 1's ``work.wait()`` ran on the issuing stream at issue time: the all-gather stream, which
+the compute stream waits for at every fetch, then waited for stage 1 of every prefetched miss, and
+with blocking waits the host did (issue 26).
+[Measured on gloo before the gather stream: deferring stage 2 into the handle's ``wait``, so the host
+does not wait on stage 1 at issue time, changed nothing on the emulated 2x2 cluster (1.426 vs 1.419 s
+per step, 100 Mbit/s, large release regime; 1.417 vs 1.436 s with DeepSpeed's default prefetch).]
 """
 from __future__ import annotations
 
@@ -63,6 +80,8 @@ class HierarchicalGather:
     peer_group: Any
     #: Every DP rank's slot in the flat buffer (:func:`slot_of_rank`): the permutation back to DeepSpeed's layout.
     slots: tuple[int, ...]
+    #: The engine's gather stream (see [Note: streams]); ``None`` without streams.
+    stream: Any = None
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -117,9 +136,12 @@ class HierarchicalGather:
             device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
             offset += p.ds_tensor.ds_numel
         bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
-        stage1 = dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=True)
-        stage1.wait()  # [Note: streams]
-        stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+        issuing = device.current_stream()
+        with device.stream(self.stream):  # [Note: streams]
+            device.wait_stream(issuing)  # the partition copies above
+            device.record_stream(flat)  # allocated on the issuing stream, written on this one
+            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)  # stage 1, ordered by the stream
+            stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=layout.dp_size)
@@ -137,4 +159,5 @@ def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGat
     peer_ranks, peer_group = build_peer_group(topo)
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
     assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
-    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, peer_group, slot_of_rank(layout))
+    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, peer_group, slot_of_rank(layout),
+                              stream=device.new_stream("fcdp_gather"))
