@@ -172,6 +172,8 @@ class FCDPConfig(DeepSpeedConfigModel):
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
+    param_refresh_interval: int = Field(100, ge=0)
+    """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
     compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
@@ -185,6 +187,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
+        _compression_needs_the_two_stage_gather(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -239,6 +242,19 @@ class FCDPConfig(DeepSpeedConfigModel):
         if isinstance(self.verify, bool):
             return 1.0 if self.verify else 0.0
         return float(self.verify)
+
+
+def _compression_needs_the_two_stage_gather(data: Any) -> None:
+    if isinstance(data, Mapping) and data.get("param_compression", "off") != "off" and data.get("param_gather") == "flat":
+        raise FCDPConfigError(f"fcdp.param_compression = \"{data['param_compression']}\" compresses the inter-node stage "
+                              f"of the two-stage gather, which fcdp.param_gather = \"flat\" does not run. Fix: set "
+                              f"param_gather to \"auto\" or \"hierarchical\", or param_compression to \"off\".")
+
+
+def resolved_param_compression(config: FCDPConfig, num_nodes: int, ranks_per_node: int) -> str:
+    """``fcdp.param_compression`` for a layout: ``off`` wherever the two-stage gather does not run (one node,
+    one rank per node)."""
+    return config.param_compression if config.resolved_param_gather(num_nodes, ranks_per_node) != "flat" else "off"
 
 
 def allowed_keys() -> list[str]:

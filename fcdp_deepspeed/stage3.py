@@ -18,6 +18,12 @@ Invalidation events (every path that writes a parameter's bit16 value):
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
+``fcdp.param_compression``'s references (``compress/reference.py``) are optimizer state: ``state_dict``
+adds them to each rank's optimizer state (the ``fcdp_compression`` envelope, ``compress/state.py``) and
+``load_state_dict`` restores them (a checkpoint without them, or of another codec or layout, starts
+them empty); ``_restore_from_bit16_weights`` (a load of the module weights alone, ``refresh_fp32_params``)
+drops them. Optimizer steps keep them; saves and 16-bit consolidation (inside checkpoint events) keep them.
+
 Gradients (``grad_reduce``/``grad_accumulation``, see ``grads/``): DeepSpeed's bucket reduction
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
@@ -35,6 +41,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed import device, ds_compat, grads, strict_device
+from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -106,7 +113,39 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             return super().step(closure)
 
 
-class FCDPStage3(CountedStage3):
+class _CompressionCheckpoint:
+    """FCDPStage3's checkpoint hooks for ``fcdp.param_compression`` (a mixin before ``CountedStage3``): the
+    compression state in each rank's optimizer state (``compress/state.py``), and the events that drop it."""
+
+    fcdp: FCDPRuntime | None
+    fcdp_state: CompressionState | None
+
+    def checkpoint_event_prologue(self) -> None:
+        super().checkpoint_event_prologue()
+        if self.fcdp is not None:
+            self.fcdp.checkpoint_event(inside=True)
+
+    def state_dict(self):
+        state = super().state_dict()
+        return self.fcdp_state.save_into(state) if self.fcdp_state is not None else state
+
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                        checkpoint_folder=None, load_serial=None, param_shapes=None):
+        # this rank's own file (DeepSpeed deletes it from the list under load_serial); universal: none of ours
+        mine = None if checkpoint_folder else state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
+                                load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
+                                load_serial=load_serial, param_shapes=param_shapes)
+        if self.fcdp_state is not None:
+            self.fcdp_state.load_from(mine)  # collective (agreement), as the load itself
+
+    def _restore_from_bit16_weights(self) -> None:
+        super()._restore_from_bit16_weights()
+        if self.fcdp is not None:
+            self.fcdp.weights_rewritten("weights restored")
+
+
+class FCDPStage3(_CompressionCheckpoint, CountedStage3):
     """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
@@ -117,6 +156,8 @@ class FCDPStage3(CountedStage3):
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
         self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
+        #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
+        self.fcdp_state: CompressionState | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -129,6 +170,9 @@ class FCDPStage3(CountedStage3):
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
+        self.fcdp_state = CompressionState()
+        if self.fcdp.compression_state is not None:
+            self.fcdp_state.register("params", self.fcdp.compression_state)
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
@@ -245,6 +289,8 @@ class FCDPStage3(CountedStage3):
         if self.fcdp_grads is not None:
             self.fcdp_grads.new_window(discard=True)
         super().checkpoint_event_epilogue()
+        if self.fcdp is not None:
+            self.fcdp.checkpoint_event(inside=False)
 
 
 class CountedZeROOffload(DeepSpeedZeRoOffload):

@@ -419,4 +419,14 @@ def format_stats_line(stats: dict) -> str:
             f"{fmt_bytes(stats['inter_node_grad_reduce_bytes'])} intra-node {fmt_bytes(stats['intra_node_grad_reduce_bytes'])}, "
             f"cache hit rate {hit_rate:.1%} "
             f"({stats['cache_hits']} hits / {stats['cache_misses']} misses), cache host "
-            f"{fmt_bytes(stats['host_cache_bytes'])} device {fmt_bytes(stats['device_cache_bytes'])}")
+            f"{fmt_bytes(stats['host_cache_bytes'])} device {fmt_bytes(stats['device_cache_bytes'])}"
+            + _compression_part(stats))
+
+
+def _compression_part(stats: dict) -> str:
+    """The log line's ``fcdp.param_compression`` part (empty when off)."""
+    if stats.get("param_compression", "off") == "off":
+        return ""
+    return (f", param compression {stats['param_compression']}: inter-node {fmt_bytes(stats['inter_node_param_compressed_bytes'])}"
+            f" compressed / {fmt_bytes(stats['inter_node_param_exact_bytes'])} exact, drift max "
+            f"{stats['param_drift_max_all_ranks']:.2e} mean {stats['param_drift_mean_all_ranks']:.2e} (all ranks)")

@@ -93,6 +93,11 @@ class Allocation:
             accel = self.config.device_budget_spec.resolve(get_accelerator().available_memory(), auto_fraction=0.5)
         return host, accel
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Collective: a flag stays true only if it is true on every rank of the DP group (planning and
+        checkpoint loads only: a blocking control read)."""
+        return self._agree(flags)
+
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Collective: a flag stays true only if it is true on every rank of the DP group."""
         if not flags:

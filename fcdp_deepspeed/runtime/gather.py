@@ -30,7 +30,7 @@ every collective on the host):
   alone (no ``Work.wait`` at issue time: with ``TORCH_NCCL_BLOCKING_WAIT=1`` that would be a host wait).
   Stage 2 is issued asynchronously from it, so it starts after stage 1. The flat buffer, allocated on
   the issuing stream, is ``record_stream``-ed here. Anything between the stages (the dequantization of
-  ``fcdp.param_compression``) runs on this stream too;
+  ``fcdp.param_compression``, ``compress/params.py``) runs on this stream too;
 - the *waiting* stream (whichever is current when DeepSpeed's handle waits, the all-gather stream
   again under the coordinator): ``AllGatherCoalescedHandle.wait`` waits on stage 2's work (stream-only
   on NCCL, a host wait on gloo, as for DeepSpeed's own flat gather), so it is ordered after both
@@ -57,6 +57,7 @@ from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
 from fcdp_deepspeed import device, ds_compat
+from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
 from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
@@ -82,6 +83,8 @@ class HierarchicalGather:
     slots: tuple[int, ...]
     #: The engine's gather stream (see [Note: streams]); ``None`` without streams.
     stream: Any = None
+    #: ``fcdp.param_compression``: the compressed stage 1 (``None``: off, every stage 1 is exact).
+    compression: Optional[ParamCompression] = None
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -119,10 +122,18 @@ class HierarchicalGather:
         by_dtype: dict[torch.dtype, list] = {}
         for p in params:
             by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-        handles = [self._issue_one(by_dtype[d]) for d in sorted(by_dtype, key=str)]
+        handles = []
+        for dtype in sorted(by_dtype, key=str):
+            # exact and compressed parameters are separate collectives, in this order (agreed: [Note: references])
+            exact, compressed = self.compression.split(by_dtype[dtype]) if self.compression else (by_dtype[dtype], [])
+            handles += [self._issue_one(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
         return MultipleAllGatherHandles(handles)
 
-    def _issue_one(self, params: list) -> AllGatherCoalescedHandle:
+    def lossy(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
+        return self.compression is not None and self.compression.lossy(param)
+
+    def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
         layout, dtype = self.layout, params[0].ds_tensor.dtype
@@ -140,11 +151,22 @@ class HierarchicalGather:
         with device.stream(self.stream):  # [Note: streams]
             device.wait_stream(issuing)  # the partition copies above
             device.record_stream(flat)  # allocated on the issuing stream, written on this one
-            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)  # stage 1, ordered by the stream
+            if lossy:
+                self.compression.stage1(params, bundle, part, self.peer_group)
+            else:
+                self._exact_stage1(params, bundle, mine, part)
             stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=layout.dp_size)
+
+    def _exact_stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int) -> None:
+        if self.compression is None:
+            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)  # ordered by the stream
+            return
+        with self.compression.exact_stage():
+            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)
+        self.compression.seed(params, bundle, part)
 
 
 def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGather]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -28,10 +28,16 @@ class Report:
     log_interval: int
     #: The engine's own monitor, when enabled (see ``monitor.py``).
     monitor: Optional[MonitorMaster]
+    #: More keys from other parts (``fcdp.param_compression``'s), merged into :meth:`stats`.
+    extra: Optional[Callable[[], dict]] = None
+
+    def due(self) -> bool:
+        """Whether this step boundary reports (the same on every rank)."""
+        return bool(self.log_interval) and self.counters.optimizer_steps % self.log_interval == 0
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
-        if self.log_interval and step % self.log_interval == 0:
+        if self.due():
             stats = self.stats()
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))
@@ -78,4 +84,7 @@ class Report:
             "peak_device_memory_bytes": get_accelerator().max_memory_allocated(),
         }
         out.update(self.comm.snapshot())
+        out["param_compression"] = "off"
+        if self.extra is not None:
+            out.update(self.extra())
         return out

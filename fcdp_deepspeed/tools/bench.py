@@ -37,10 +37,15 @@ ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
 FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
-               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"}}
+               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
+               "fcdp_int8": {"grad_accumulation": "node", "param_compression": "int8"},
+               "fcdp_int4": {"grad_accumulation": "node", "param_compression": "int4"}}
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
-#: flat ring for misses, to compare the two-stage gather side by side in one run).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat")
+#: flat ring for misses, to compare the two-stage gather side by side in one run) and ``fcdp_int8``/``fcdp_int4``
+#: (``fcdp_node`` with ``fcdp.param_compression``: lossy, their losses differ from the exact engines').
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_int8", "fcdp_int4")
+#: Per-step ``get_stats`` deltas recorded for each run (rank 0), where the engine reports them.
+STEP_KEYS = ("inter_node_param_compressed_bytes", "inter_node_param_exact_bytes", "param_compressed_gathers")
 
 
 @dataclass
@@ -63,6 +68,8 @@ class BenchSpec:
     regime: str = "large"
     param_gather: str = "auto"
     """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
+    fcdp_extra: dict = field(default_factory=dict)
+    """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
 
 
@@ -101,7 +108,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     records = []
     for engine_name in s.engines:
         block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host",
-                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
+                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name], **s.fcdp_extra}
+                 if engine_name in FCDP_BLOCKS else None)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -148,6 +156,9 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "no_backward_params": no_backward,
             "world": dist.get_world_size(), "nodes": s.nodes, "grad_accum": s.grad_accum,
             "param_gather": stats1.get("param_gather", "flat"),  # plain engines: DeepSpeed's ring
+            "param_compression": stats1.get("param_compression", "off"),
+            "param_drift_max": stats1.get("param_drift_max", 0.0),
+            **{f"{k}_per_step_rank0": (stats1.get(k, 0) - stats0.get(k, 0)) / s.steps for k in STEP_KEYS},
         })
         del engine
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
@@ -386,6 +397,22 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _extra(ap: argparse.ArgumentParser, text: str) -> dict:
+    """``--fcdp-extra``: a JSON object of fcdp keys, checked against the config model now (not in every rank)."""
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as err:
+        ap.error(f"--fcdp-extra: not JSON ({err})")
+    if not isinstance(extra, dict):
+        ap.error("--fcdp-extra: expected a JSON object such as '{\"param_refresh_interval\": 0}'")
+    from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+    try:
+        parse_fcdp_config({"fcdp": {"enabled": True, **extra}})
+    except FCDPConfigError as err:
+        ap.error(f"--fcdp-extra: {err}")
+    return extra
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="fcdp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="100,200,1000,10000,0", help="Mbit/s per node uplink, 0 = unlimited")
@@ -404,6 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--regime", choices=["large", "default"], default="large")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
                     help="fcdp.param_gather of the FCDP engines")
+    ap.add_argument("--fcdp-extra", default="{}", help="JSON object of more fcdp keys for every FCDP engine")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -416,7 +444,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
                      warmup=args.warmup, steps=args.steps,
                      repeats=args.repeats,
-                     regime=args.regime, param_gather=args.param_gather)
+                     regime=args.regime, param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         rows = run_bench(spec, Path(args.out), progress=not args.no_progress)

@@ -14,6 +14,7 @@ from deepspeed import comm as dist
 import fcdp_deepspeed
 from fcdp_deepspeed import device, grads, strict_device
 from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.compress.reference import ReferenceStore
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import setup
@@ -48,6 +49,14 @@ def sabotage(kind: str) -> None:
             device.current_stream().synchronize()
 
         NodeCache._fill = _fill
+    elif kind == "blocking_reference":  # the new reference's copy into pinned memory waited for on the host
+        original_write = ReferenceStore.write
+
+        def write(self, ref, values, *, lossy):
+            original_write(self, ref, values, lossy=lossy)
+            device.host_wait(ref.ready)
+
+        ReferenceStore.write = write
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind:
