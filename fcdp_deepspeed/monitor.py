@@ -18,6 +18,9 @@ _LAST: Optional[weakref.ReferenceType] = None
 MONITORED_KEYS = ("inter_node_allgather_bytes", "intra_node_allgather_bytes", "inter_node_grad_reduce_bytes",
                   "intra_node_grad_reduce_bytes", "cache_hit_rate", "cache_hits", "cache_misses", "host_cache_bytes",
                   "device_cache_bytes")
+#: Written too while ``fcdp.param_compression`` is on.
+COMPRESSION_KEYS = ("inter_node_param_compressed_bytes", "inter_node_param_exact_bytes", "param_drift_max_all_ranks",
+                    "param_drift_mean_all_ranks")
 
 
 class RecordingMonitorMaster(MonitorMaster):
@@ -36,4 +39,5 @@ def latest_monitor() -> Optional[MonitorMaster]:
 def monitor_events(stats: dict, step: int) -> list[tuple[str, float, int]]:
     lookups = stats["cache_hits"] + stats["cache_misses"]
     values = dict(stats, cache_hit_rate=stats["cache_hits"] / lookups if lookups else 0.0)
-    return [(f"FCDP/{key}", float(values[key]), step) for key in MONITORED_KEYS]
+    keys = MONITORED_KEYS + (COMPRESSION_KEYS if stats.get("param_compression", "off") != "off" else ())
+    return [(f"FCDP/{key}", float(values[key]), step) for key in keys]

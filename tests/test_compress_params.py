@@ -133,6 +133,14 @@ def test_lora_adapters_compressed_frozen_base_never_crosses(suite):
             assert inter == compressed > 0  # only the adapters' compressed messages cross nodes
 
 
+def test_a_reference_that_does_not_fit_crosses_exactly_on_every_rank(suite):
+    for per_rank in suite:
+        stats = per_rank["no_room"]["stats"][-1]
+        assert stats["param_reference_slots"] == 0 and stats["param_compressed_gathers"] == 0
+        assert stats["inter_node_param_compressed_bytes"] == 0 and stats["param_exact_gathers"] == {}
+    assert len(suite[0]["no_room"]["logs"]) == 1
+
+
 def test_checkpoint_resume_is_bit_identical_and_foreign_checkpoints_start_exact(suite):
     for per_rank in suite:
         resumed, uninterrupted = per_rank["resumed"], per_rank["uninterrupted"]

@@ -164,17 +164,18 @@ class ParamCompression:
         own.narrow(0, 0, wire).copy_(codec.encode(delta))
         with LEDGER.tagged(PARAM_COMPRESSED):
             dist.allgather_fn(packed, own, group=group, async_op=False)  # ordered on the gather stream
-        decoded = device.accel_empty(nodes * total, torch.float32).view(nodes, total)
-        for peer in range(nodes):
-            decoded[peer].copy_(codec.decode(self.message(packed, peer, stride, wire), total))
         errors, norms = [], []
-        for ref, ref_rows, off, poff, size, n in zip(refs, on_accel, offsets, pad_offsets, sizes, valid):
-            recon = torch.add(ref_rows, decoded[:, poff:poff + size]).to(ref.dtype)  # fp32 sum, then the dtype
-            exact = rows[me].narrow(0, off, n).float()
-            errors.append(torch.linalg.vector_norm(recon[me].narrow(0, 0, n).float() - exact))
-            norms.append(torch.linalg.vector_norm(exact))
-            rows[:, off:off + size].copy_(recon)  # overwrites this rank's exact partition: measured above
-            self.store.write(ref, recon, lossy=True)
+        for peer in range(nodes):  # one decoded message at a time: P fp32 elements of scratch, not N x P
+            decoded = codec.decode(self.message(packed, peer, stride, wire), total)
+            for ref_rows, off, poff, size, n in zip(on_accel, offsets, pad_offsets, sizes, valid):
+                recon = torch.add(ref_rows[peer], decoded.narrow(0, poff, size)).to(rows.dtype)  # fp32 sum, then the dtype
+                if peer == me:  # before the exact partition is overwritten: the drift
+                    exact = rows[me].narrow(0, off, n).float()
+                    errors.append(torch.linalg.vector_norm(recon.narrow(0, 0, n).float() - exact))
+                    norms.append(torch.linalg.vector_norm(exact))
+                rows[peer].narrow(0, off, size).copy_(recon)
+        for ref, off, size in zip(refs, offsets, sizes):
+            self.store.write(ref, rows[:, off:off + size], lossy=True)  # the reconstruction is the new reference
         self.drift.add(torch.stack(errors), torch.stack(norms))
         self.counters.bump(compressed_gathers=len(params))
 
