@@ -62,9 +62,14 @@ def test_messages_decoded_in_the_wrong_peer_order_fail_the_identity_check(suite)
 
 def test_reconstructions_stay_within_the_codec_bound(suite):
     for per_rank in suite:
-        for name in ("int8", "int4"):
+        for name in ("int8", "int4", "offload"):
             assert per_rank[name]["violations"] == [], (name, per_rank[name]["violations"][:3])
             assert per_rank[name]["max_rel"] > 0  # lossy: the check saw reconstructions
+
+
+def test_offload_param_is_compressed_too(suite):
+    for per_rank in suite:
+        assert per_rank["offload"]["stats"][-1]["param_compressed_gathers"] == 2 * SLOTTED
 
 
 def test_a_decode_with_the_next_blocks_scale_breaks_the_bound(suite):
@@ -72,7 +77,7 @@ def test_a_decode_with_the_next_blocks_scale_breaks_the_bound(suite):
 
 
 def test_replicas_are_bitwise_equal_on_every_rank_after_every_step(suite):
-    for name in ("int8", "int4", "lora", "events"):
+    for name in ("int8", "int4", "lora", "events", "offload"):
         first = sorted(suite[0][name]["hashes"])
         assert first and all(sorted(r[name]["hashes"]) == first for r in suite[1:]), name
 
@@ -121,6 +126,7 @@ def test_each_case_without_a_reference_crosses_exactly(suite):
         for i in (1, 4, 5):
             assert stats[i]["param_compressed_gathers"] > stats[i - 1]["param_compressed_gathers"]
         assert stats[5]["param_compressed_gathers"] - stats[4]["param_compressed_gathers"] == SLOTTED - 2
+        assert stats[-1]["verified_hits"] > 0 and stats[-1]["verified_gathers"] > 0  # verify ran on the exact values
 
 
 def test_lora_adapters_compressed_frozen_base_never_crosses(suite):
