@@ -129,7 +129,11 @@ class Topology:
     source: str
     group: Any = field(repr=False, default=None)
     dp_groups: tuple[tuple[int, ...], ...] = ()
-    """Every rank's DP group (all DP groups of the job), for groups derived later (node peers)."""
+    """Every rank's DP group (all DP groups of the job)."""
+    peer_ranks: tuple[int, ...] = ()
+    """This rank's node peers (same position on every node of its DP group); () when the DP group lies on
+    one node or has one rank per node (nothing to split in two stages)."""
+    peer_group: Any = field(repr=False, default=None)
 
     @property
     def ranks_per_node(self) -> int:
@@ -149,6 +153,15 @@ class Topology:
 
     def spans_nodes(self, ranks: Iterable[int]) -> bool:
         return len({self.node_of_rank[r] for r in ranks}) > 1
+
+    @property
+    def dp_shapes(self) -> list[tuple[int, int]]:
+        """(nodes, ranks per node) of every DP group of the job, each once, sorted: the same on every rank."""
+        shapes = set()
+        for dp in self.dp_groups:
+            nodes = len({self.node_of_rank[r] for r in dp})
+            shapes.add((nodes, len(dp) // nodes))
+        return sorted(shapes)
 
 
 #: ProcessGroups created by FCDP, by rank tuple. Every rank creates the same groups in the same
@@ -176,43 +189,55 @@ def discover_node_map(ranks_per_node: Optional[int] = None, dp_group: Any = None
                             f"Fix: set ranks_per_node to a divisor of {world}, or remove it to detect the layout.")
     ident = node_identity_from_env(os.environ, rank, ranks_per_node)
     gathered: list = [None] * world
-    ds_compat.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group)))
+    ds_compat.all_gather_object(gathered, (rank, ident.node_id, ident.expected_local_size, group_ranks(dp_group),
+                                           ident.source))
     node_of_rank = [""] * world
-    for r, node_id, _, _ in gathered:
+    for r, node_id, *_ in gathered:
         node_of_rank[r] = node_id
     counts: dict[str, int] = defaultdict(int)
     for node_id in node_of_rank:
         counts[node_id] += 1
-    for r, node_id, expected, _ in gathered:
-        if expected is not None and ident.source in (*NODE_INDEX_VARS, "hostname") and counts[node_id] != expected:
+    # each rank's own source, so every rank raises the same error or none (environments may differ per rank)
+    for r, node_id, expected, _, source in gathered:
+        if expected is not None and source in (*NODE_INDEX_VARS, "hostname") and counts[node_id] != expected:
             raise TopologyError(
                 f"rank {r}: the launcher says {expected} ranks run on its node but {counts[node_id]} ranks report "
-                f"node id {node_id!r} (from {ident.source}). Fix: set {NODE_ID_ENV} per node or fcdp.ranks_per_node.")
+                f"node id {node_id!r} (from {source}). Fix: set {NODE_ID_ENV} per node or fcdp.ranks_per_node.")
     return tuple(node_of_rank), ident.source, [g[3] for g in gathered]
 
 
+def splits_in_two(node_of_rank: Sequence[str], dp: Sequence[int]) -> bool:
+    """Whether a (uniform) DP group has several nodes of several ranks: the only layout where a two-stage
+    gather or reduction can run, so the only one that gets node-peer groups."""
+    return 1 < len({node_of_rank[r] for r in dp}) < len(dp)
+
+
 def build_topology(dp_group: Any = None, ranks_per_node: Optional[int] = None) -> Topology:
-    """Collective over the world: derive node ∩ DP groups and create them on every rank."""
+    """Collective over the world: derive node ∩ DP groups and the node-peer groups of every DP group, and
+    create them on every rank.
+
+    [Note: groups from the global layout] ``new_group`` is collective over the world, and torch names a
+    group by a per-rank count of ``new_group`` calls, so every rank must create the same groups in the same
+    order: a rank that skipped one hangs at the next group that spans both kinds of rank. What is created
+    depends only on every DP group of the job (gathered here), never on this rank's mode resolution, which
+    depends on its own DP group's shape (a pipeline stage spread over two nodes and one on a single node
+    resolve differently): node groups, then peer groups, each sorted."""
     node_of_rank, source, all_dp = discover_node_map(ranks_per_node, dp_group)
     dp_ranks = group_ranks(dp_group)
-    groups = derive_node_groups(dict(enumerate(node_of_rank)), sorted(set(all_dp)))
+    dp_groups = tuple(sorted(set(all_dp)))
+    node_map = dict(enumerate(node_of_rank))
+    groups = derive_node_groups(node_map, dp_groups)
+    peers = derive_peer_groups(node_map, [dp for dp in dp_groups if splits_in_two(node_of_rank, dp)])
     _create_groups(groups)
+    _create_groups(peers)
     rank = dist.get_rank()
     mine = next(g for g in groups if rank in g)
+    my_peers = next((p for p in peers if rank in p), ())
     return Topology(node_of_rank=node_of_rank, dp_ranks=dp_ranks, node_ranks=mine, source=source, group=_GROUPS[mine],
-                    dp_groups=tuple(sorted(set(all_dp))))
+                    dp_groups=dp_groups, peer_ranks=my_peers, peer_group=_GROUPS.get(my_peers))
 
 
 def _create_groups(groups: Iterable[tuple[int, ...]]) -> None:
     for ranks in groups:  # same order on every rank: new_group is collective over the world
         if ranks not in _GROUPS:
             _GROUPS[ranks] = dist.new_group(list(ranks))
-
-
-def build_peer_group(topo: Topology) -> tuple[tuple[int, ...], Any]:
-    """Collective over the world: create every DP group's node-peer groups; return this rank's."""
-    peers = derive_peer_groups(dict(enumerate(topo.node_of_rank)), topo.dp_groups)
-    _create_groups(peers)
-    rank = dist.get_rank()
-    mine = next(p for p in peers if rank in p)
-    return mine, _GROUPS[mine]

@@ -6,11 +6,17 @@ Workers live next to what they test: ``tests/test_<concern>.py`` runs functions 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# [Note: one JIT build dir per venv] DeepSpeed JIT-builds its CPU comm op under TORCH_EXTENSIONS_DIR; the
+# shared default (~/.cache/torch_extensions) is rebuilt by every venv whose paths differ, and a killed build
+# leaves a lock that makes every later rank wait forever at init_distributed. scripts/test.sh sets it; a
+# plain `pytest` gets the same per-venv directory.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 TESTS_DIR = str(Path(__file__).parent)
 

@@ -329,3 +329,25 @@ def test_gradient_mode_refusals_through_deepspeed_initialize():
     for (case, needle), err in zip(REFUSED, (row["error"] for row in rows)):
         assert err.startswith("FCDPConfigError") and needle in err, (case, err)
         assert "Fix" in err or "Input should be" in err or ">= 0" in err, err
+
+
+#: fp16 weights: half an ulp is 2.4e-4 relative, and the window sums round differently from ZeRO-3's.
+FP16_RTOL = 2e-3
+
+
+def test_fp16_window_sums_do_not_overflow_where_zero3_does_not():
+    """fp16, dynamic loss scaling, fp32 gradient accumulation, node accumulation GA 4 on 2 x 2: a parameter
+    whose per-micro-step fp16 gradient is 40000 (finite for ZeRO-3, whose node window sum is 80000) and a
+    forced overflow in step 1. Node accumulation skips the same steps with the same loss scales as ZeRO-3,
+    and matches its losses and weights; casting window sums to fp16 first (the broken variant) skips
+    step 0 and halves the loss scale, which ZeRO-3 does not."""
+    r = run_ranks("grads:fp16_window", 4, timeout=600, steps=2)[0]
+    plain, node, broken = r["plain"], r["node"], r["cast_first"]
+    assert node["modes"] == ("hierarchical", "node") and node["optimizer"] == "FCDPStage3"
+    assert plain["skipped"] == [0, 1] and plain["scale"] == [65536.0] * 2  # only the forced overflow
+    assert node["skipped"] == plain["skipped"] and node["scale"] == plain["scale"]
+    for a, b in zip(plain["losses"], node["losses"]):
+        assert abs(a - b) <= FP16_RTOL * abs(a), (plain["losses"], node["losses"])
+    for key, w in plain["weights"].items():
+        assert (node["weights"][key] - w).norm().item() <= FP16_RTOL * max(w.norm().item(), 1e-12), key
+    assert broken["skipped"][0] == 1 and broken["scale"] != plain["scale"], broken

@@ -29,7 +29,7 @@ from fcdp_deepspeed.grads.layout import (ReduceLayout, build_layout, chunk_numel
                                          pack_chunks)
 from fcdp_deepspeed.grads.reducer import GradCounters, GradReducer
 from fcdp_deepspeed.plan import BufferFit, GradPlan, resolve_grad_plan
-from fcdp_deepspeed.topology import Topology, build_peer_group
+from fcdp_deepspeed.topology import Topology
 
 __all__ = ["BufferPlanner", "DeliveryLedger", "GradCounters", "GradReducer", "NodeGradBuffer", "ReduceLayout",
            "StageCollectives", "bucket", "build_layout", "build_reducer", "chunk_numel", "fitting_prefix",
@@ -41,22 +41,25 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
                   accumulation_dtype: torch.dtype, is_boundary: Any, accumulation_steps: int = 2,
                   path_blockers: Sequence[str] = (), accumulation_blockers: Sequence[str] = ()
                   ) -> tuple[GradPlan, Optional[GradReducer]]:
-    """Collective over the world: the engine's resolved gradient plan (logged once by rank 0), and its
+    """Collective over the DP group (the buffer budget agreement; the topology created every group, [Note:
+    groups from the global layout]): the engine's resolved gradient plan (logged once by rank 0), and its
     reducer, or ``None`` for DeepSpeed's own path (flat, or one node / one rank per node, where both
     stages would be one). With one micro-step per optimizer step every micro-step is a boundary, so the
     node buffer is only measured here; :meth:`GradReducer.plan_buffer` allocates it at the first
     micro-step that is not a boundary (``FCDPStage3._plan_buffer_if_window_grew``)."""
-    def resolve(fit: Optional[BufferFit] = None) -> GradPlan:
-        return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, topo.num_nodes, topo.ranks_per_node,
+    def resolve(fit: Optional[BufferFit] = None, shape: Optional[tuple[int, int]] = None) -> GradPlan:
+        nodes, per_node = shape or (topo.num_nodes, topo.ranks_per_node)
+        return resolve_grad_plan(config.grad_reduce, config.grad_accumulation, nodes, per_node,
                                  accumulation_steps, path_blockers, accumulation_blockers, fit)
 
+    for shape in topo.dp_shapes:  # an explicit mode refused for any DP group is refused on every rank
+        resolve(shape=shape)  # (raises FCDPConfigError), not only on the ranks that would run it
     plan = resolve()
     reducer = None
     if plan.active:
-        peer_ranks, peer_group = build_peer_group(topo)
         layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
-        assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
-        reducer = GradReducer(config, layout, dp_group, topo.group, peer_group, accumulation_dtype, is_boundary)
+        assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
+        reducer = GradReducer(config, layout, dp_group, topo.group, topo.peer_group, accumulation_dtype, is_boundary)
         if config.grad_accumulation != "rank" and not accumulation_blockers:
             plan = resolve(reducer.measure_buffer(trainable))
         reducer.node_accumulation = plan.grad_accumulation == "node"

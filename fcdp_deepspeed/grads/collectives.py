@@ -43,9 +43,24 @@ class StageCollectives:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
         return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
 
-    def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype) -> list[torch.Tensor]:
-        """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum."""
+    def wire_dtype(self, comm_dtype: torch.dtype, window_sums: bool) -> torch.dtype:
+        """The dtype stage 2 sends.
+
+        [Note: fp16 window sums] ZeRO-3 reduces each micro-step in the communication dtype and adds it into
+        its partitions in the accumulation dtype; gradients are pre-divided by W, so a micro-step's sum stays
+        within the range of the ranks' fp16 gradients. A node's window sum of K micro-steps is up to K*L/W
+        times that, so cast to fp16 it could overflow where ZeRO-3 accumulating in fp32 does not (a skipped
+        step and a halved loss scale ZeRO-3 would not have). So window sums travel in the accumulation dtype
+        when the communication dtype is fp16: twice that stage's bytes with fp32 accumulation, no change with
+        fp16 accumulation (DeepSpeed's default for fp16: ZeRO-3 accumulates its partitions in fp16 too; measured,
+        the same skipped steps). bf16 has fp32's exponent range and stays bf16."""
+        return self.accumulation_dtype if window_sums and comm_dtype == torch.float16 else comm_dtype
+
+    def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
+                   window_sums: bool = False) -> list[torch.Tensor]:
+        """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum.
+        ``window_sums``: some of them hold more than one micro-step ([Note: fp16 window sums])."""
         sizes = [t.shape[1] for t in node_sums]
-        inp = torch.cat(node_sums, dim=1).to(comm_dtype).contiguous()
+        inp = torch.cat(node_sums, dim=1).to(self.wire_dtype(comm_dtype, window_sums)).contiguous()
         own = self._scatter_sum(inp.view(-1), self.peer_group, self.layout.nodes)
         return list(own.split(sizes))

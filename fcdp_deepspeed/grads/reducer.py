@@ -97,6 +97,7 @@ class GradReducer:
         accumulate = self.node_accumulation and not self.is_boundary()
         results: list[Optional[torch.Tensor]] = [None] * len(params)
         deliver: list[tuple[int, torch.Tensor]] = []
+        window = False  # some delivered sum holds earlier micro-steps of the window
         offset = 0
         for i, (param, tensor) in enumerate(zip(params, tensors)):
             p = chunk_numel(tensor.numel(), world)
@@ -109,9 +110,11 @@ class GradReducer:
                 continue
             if slot is not None and param.ds_id in self.buffer.dirty:
                 cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
+                window = True
             deliver.append((i, cols))
         if deliver:
-            for (i, _), own in zip(deliver, self.comm.inter_node([c for _, c in deliver], comm_dtype)):
+            owns = self.comm.inter_node([c for _, c in deliver], comm_dtype, window_sums=window)
+            for (i, _), own in zip(deliver, owns):
                 results[i] = own.narrow(0, 0, own_chunk_numel(params[i].ds_numel, world, layout.dp_rank))
         self.delivery.delivered(params[i].ds_id for i, _ in deliver)
         self.counters.bump(accumulated=len(params) - len(deliver), delivered=len(deliver))
@@ -135,7 +138,7 @@ class GradReducer:
             # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
             sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
                     for i in batch]
-            owns = self.comm.inter_node(sums, comm_dtype)
+            owns = self.comm.inter_node(sums, comm_dtype, window_sums=True)
             parts = [own.narrow(0, 0, own_chunk_numel(p.ds_numel, world, self.layout.dp_rank))
                      for p, own in zip(params, owns)]
             self.delivery.delivered(batch)

@@ -35,6 +35,7 @@ from fcdp_deepspeed import device
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.runtime.refill import MissBatcher
+from fcdp_deepspeed.runtime.routing import Route, split_fetch
 from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
 
 
@@ -178,31 +179,28 @@ class FetchPath:
     def issue(self, params: list, hits: list[CacheEntry], original: Callable, safe_mode: bool,
               quantize: bool) -> tuple[Any, list[Check]]:
         """Issue one coalesced gather: hits through DeepSpeed's node-group (hpZ) path, misses through
-        the two-stage gather where it applies, else DeepSpeed's flat ring (the reason is counted)."""
+        the two-stage gather where it applies, else DeepSpeed's flat ring (the reason is counted), each
+        part on its own and in an order every rank agrees on ([Note: one fetch, several collectives])."""
         misses = [p for p in params if p.ds_secondary_tensor is None]
         # qwZ-quantized gathers are refused by the config; a quantized call keeps its own path regardless
         refilled = self.batcher.refill() if self.batcher is not None and misses and not quantize else []
         batched = {p.ds_id for p in refilled}
         gathered = [p for p in misses if p.ds_id in batched]  # the batch filled their slots: hits now
-        if gathered:
-            hits = hits + [e for e in map(self.cache.entry, gathered) if e is not None]
-            misses = [p for p in misses if p.ds_id not in batched]
-        if misses:
-            reason = self.gather.unsupported(misses, quantize) if self.gather is not None else "flat"
-            if reason:
-                if reason != "flat":
-                    self._fall_back(reason, len(misses))
-                with self.cache.staged(hits):
-                    return original(params, safe_mode=safe_mode, quantize=quantize), self._sample(gathered)
-        handles = []
-        served = [p for p in params if p.ds_secondary_tensor is not None]
-        if served:  # the coordinator passes hits and misses separately; other callers may mix them
-            with self.cache.staged(hits):
-                handles.append(original(served, safe_mode=safe_mode, quantize=quantize))
-        if misses:
-            handles.append(self.gather.issue(misses, safe_mode=safe_mode))
-            self.counters.bump(hierarchical_gathers=len(misses))
-        return (handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)), self._sample(gathered + misses)
+        hits = hits + [e for e in map(self.cache.entry, gathered) if e is not None]
+        handles, two_stage = [], []
+        for part in split_fetch(params, self.gather, quantize):
+            if part.route is Route.TWO_STAGE:
+                handles.append(self.gather.issue(part.params, safe_mode=safe_mode))
+                two_stage += part.params
+                continue
+            if part.reason:
+                self._fall_back(part.reason, len(part.params))
+            with self.cache.staged(hits if part.route is Route.SERVED else ()):
+                handles.append(original(list(part.params), safe_mode=safe_mode, quantize=quantize))
+        if two_stage:
+            self.counters.bump(hierarchical_gathers=len(two_stage))
+        handle = handles[0] if len(handles) == 1 else MultipleAllGatherHandles(handles)
+        return handle, self._sample(gathered + two_stage)
 
     def _sample(self, params: list) -> list[Check]:
         """Verify references for a sample of two-stage gathered parameters (``verify`` mode)."""

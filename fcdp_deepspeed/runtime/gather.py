@@ -60,7 +60,7 @@ from fcdp_deepspeed import device, ds_compat
 from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
-from fcdp_deepspeed.topology import Topology, build_peer_group, group_ranks
+from fcdp_deepspeed.topology import Topology, group_ranks
 
 
 def slot_of_rank(layout: ReduceLayout) -> tuple[int, ...]:
@@ -170,16 +170,15 @@ class HierarchicalGather:
 
 
 def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGather]:
-    """Collective over the world (peer groups): the engine's miss gather, ``None`` for the flat ring.
-    Logs the resolved mode once per engine (rank 0)."""
+    """The engine's miss gather, ``None`` for the flat ring; no collective (the topology created every
+    group, [Note: groups from the global layout]). Logs the resolved mode once per engine (rank 0)."""
     mode = config.resolved_param_gather(topo.num_nodes, topo.ranks_per_node)
     if dist.get_rank() == 0:
         logger.info(f"fcdp: param_gather = {config.param_gather!r} -> {mode} ({topo.num_nodes} node(s) x "
                     f"{topo.ranks_per_node} rank(s) per node)")
     if mode == "flat":
         return None
-    peer_ranks, peer_group = build_peer_group(topo)
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
-    assert layout.peer_ranks == peer_ranks and layout.node_ranks == topo.node_ranks, (layout, peer_ranks, topo)
-    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, peer_group, slot_of_rank(layout),
+    assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
+    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, topo.peer_group, slot_of_rank(layout),
                               stream=device.new_stream("fcdp_gather"))

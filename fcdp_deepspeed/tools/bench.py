@@ -2,8 +2,14 @@
 gradient path (``fcdp``) and FCDP with node-local gradient accumulation (``fcdp_node``), plus the
 computed lower bound (``bound`` rows: changed parameters into each node once, its gradient out once).
 
-    fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--grad-accum 1,4] [--out results/bench]
+    fcdp bench [--rates 100,200,1000,10000,0] [--jobs full,lora] [--grad-accum 1,4] [--layout 2x2,2x4] [--out results/bench]
+    fcdp bench --preset compression --out results/bench_compression   # issue 23's targets, one command
     python -m fcdp_deepspeed.tools.bench ...      # same
+
+Lossy inter-node compression (issue 23): ``fcdp_int8``/``fcdp_int4`` (and the one-sided ``fcdp_pint*``,
+``fcdp_gint*``) are ``fcdp_node`` plus ``param_compression``/``grad_compression``; rows carry ratios against
+the exact bound and against ``fcdp_node`` (``*_vs_exact``), and a step-time floor (``step_vs_floor``); see
+``tools/bench_compression.py``.
 
 Every bandwidth is a fresh :class:`~fcdp_deepspeed.tools.cluster.EmulatedCluster` (2 nodes x 2 ranks
 by default, uplinks shaped with ``tc tbf``; rate 0 = unlimited, the no-network bound). For each job
@@ -28,30 +34,34 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, EXACT_ENGINE, PRESETS, _layout, add_step_floor,
+                                                    compressed_blocks, compression_stats, parse_layouts, targets,
+                                                    targets_markdown)
 
 ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
 FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
-               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
-               "fcdp_int8": {"grad_accumulation": "node", "param_compression": "int8"},
-               "fcdp_int4": {"grad_accumulation": "node", "param_compression": "int4"}}
+               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"}}
+FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
-#: flat ring for misses, to compare the two-stage gather side by side in one run) and ``fcdp_int8``/``fcdp_int4``
-#: (``fcdp_node`` with ``fcdp.param_compression``: lossy, their losses differ from the exact engines').
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_int8", "fcdp_int4")
-#: Per-step ``get_stats`` deltas recorded for each run (rank 0), where the engine reports them.
-STEP_KEYS = ("inter_node_param_compressed_bytes", "inter_node_param_exact_bytes", "param_compressed_gathers")
+#: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
+#: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", *COMPRESSED_ENGINES)
 
 
 @dataclass
 class BenchSpec:
     nodes: int = 2
     ranks_per_node: int = 2
+    layouts: Sequence[str] = ()
+    """``NODESxRANKS`` layouts to sweep (``--layout 2x2,2x4,4x2``); empty: ``nodes`` x ``ranks_per_node``."""
     rates_mbit: Sequence[float] = (100, 200, 1000, 10000, 0)
     jobs: Sequence[str] = JOBS
     engines: Sequence[str] = ENGINES
@@ -68,18 +78,37 @@ class BenchSpec:
     regime: str = "large"
     param_gather: str = "auto"
     """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
+    compression_block: int = 128
+    """``fcdp.compression_block`` of the compressed engines."""
     fcdp_extra: dict = field(default_factory=dict)
     """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
+
+    def layout_list(self) -> list[tuple[int, int]]:
+        return [tuple(int(x) for x in lay.split("x")) for lay in self.layouts] or [(self.nodes, self.ranks_per_node)]
+
+
+_COUNTERS = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
 
 
 def _uplink_counters() -> dict:
     """This node's uplink counters, read from inside the node's namespace."""
     base = "/sys/class/net/eth0/statistics/"
     try:
-        return {k: int(open(base + k).read()) for k in ("tx_bytes", "tx_packets")}
+        return {k: int(open(base + k).read()) for k in _COUNTERS}
     except OSError:
-        return {"tx_bytes": 0, "tx_packets": 0}
+        return dict.fromkeys(_COUNTERS, 0)
+
+
+def _uplink_use(c0: dict, c1: dict) -> dict:
+    """Payload (headers excluded) and frame bytes this node's uplink carried each way between two readings."""
+    from fcdp_deepspeed.tools.cluster import HEADER_BYTES
+    out = {}
+    for way in ("tx", "rx"):
+        frames = c1[f"{way}_bytes"] - c0[f"{way}_bytes"]
+        out[f"{way}_frames"] = frames
+        out[f"{way}_payload"] = frames - HEADER_BYTES * (c1[f"{way}_packets"] - c0[f"{way}_packets"])
+    return out
 
 
 def rank_main(spec: dict, job: str) -> list[dict]:
@@ -108,8 +137,11 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     records = []
     for engine_name in s.engines:
         block = ({"enabled": True, "ranks_per_node": s.ranks_per_node, "cache_device": "host",
-                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name], **s.fcdp_extra}
-                 if engine_name in FCDP_BLOCKS else None)
+                  "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
+        if engine_name in COMPRESSED_ENGINES:
+            block["compression_block"] = s.compression_block
+        if block is not None:
+            block.update(s.fcdp_extra)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -125,8 +157,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         payload = ((c1["tx_bytes"] - c0["tx_bytes"]) - HEADER_BYTES * (c1["tx_packets"] - c0["tx_packets"])
                    if local_first else 0)
         stats1 = fcdp_deepspeed.get_stats(engine)
+        use = _uplink_use(c0, c1) if local_first else None
         mine = {
             "payload": payload,
+            "uplink": use,
             "wire": sum(counted.wire.values()),
             "step_times": res.step_times,
             "peak_mem": get_accelerator().max_memory_allocated(),
@@ -134,6 +168,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         everyone: list = [None] * dist.get_world_size()
         ds_compat.all_gather_object(everyone, mine)
         step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
+        links = [r["uplink"] for r in everyone if r["uplink"] is not None]  # one per node
         step_time = statistics.median(step_times)
         samples = s.micro_batch * s.grad_accum * dist.get_world_size()
         records.append({
@@ -156,9 +191,14 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "no_backward_params": no_backward,
             "world": dist.get_world_size(), "nodes": s.nodes, "grad_accum": s.grad_accum,
             "param_gather": stats1.get("param_gather", "flat"),  # plain engines: DeepSpeed's ring
-            "param_compression": stats1.get("param_compression", "off"),
-            "param_drift_max": stats1.get("param_drift_max", 0.0),
-            **{f"{k}_per_step_rank0": (stats1.get(k, 0) - stats0.get(k, 0)) / s.steps for k in STEP_KEYS},
+            "layout": f"{s.nodes}x{s.ranks_per_node}",
+            "param_compression": (block or {}).get("param_compression", "off"),
+            "grad_compression": (block or {}).get("grad_compression", "off"),
+            "compression_block": s.compression_block if engine_name in COMPRESSED_ENGINES else None,
+            "compression_stats": compression_stats(stats0, stats1, s.steps),
+            # the busiest node uplink, per step: the step-time floor of a shaped link (bench_compression.py)
+            "uplink_max_payload_bytes_per_step": max(max(u["tx_payload"], u["rx_payload"]) for u in links) / s.steps,
+            "uplink_max_frame_bytes_per_step": max(max(u["tx_frames"], u["rx_frames"]) for u in links) / s.steps,
         })
         del engine
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
@@ -176,15 +216,18 @@ def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
     row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
     row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
     for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",
-                "allgather_inter_node_bytes_per_step_rank0", "grad_reduce_inter_node_bytes_per_step_rank0"):
-        row[key] = statistics.fmean(r[key] for r in repeats)
+                "allgather_inter_node_bytes_per_step_rank0", "grad_reduce_inter_node_bytes_per_step_rank0",
+                "uplink_max_payload_bytes_per_step", "uplink_max_frame_bytes_per_step"):
+        if key in row:
+            row[key] = statistics.fmean(r[key] for r in repeats)
     row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
     row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
     return row
 
 
 def _job_key(r: dict) -> tuple:
-    return r["job"], r.get("grad_accum", 1)
+    """What makes two rows the same job: job, GA and layout (nodes, world; older runs had one layout)."""
+    return r["job"], r.get("grad_accum", 1), r.get("nodes", 2), r.get("world", 4)
 
 
 def bound_rows(rows: list[dict]) -> list[dict]:
@@ -201,7 +244,7 @@ def bound_rows(rows: list[dict]) -> list[dict]:
         wire_s = nbytes / base["nodes"] / (rate * 1e6 / 8) if rate else 0.0
         step = max(floor, wire_s)
         out.append({**{k: base[k] for k in ("job", "regime", "samples_per_step", "params", "trainable_params",
-                                              "no_backward_params", "world", "nodes", "grad_accum") if k in base},
+                                              "no_backward_params", "world", "nodes", "grad_accum", "layout") if k in base},
                     "engine": "bound", "rate_mbit": rate, "step_time_s": step,
                     "samples_per_s": base["samples_per_step"] / step if step else None,
                     "kernel_inter_node_bytes_per_step": nbytes, "counted_inter_node_bytes_per_step": nbytes,
@@ -215,18 +258,18 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     the no-network bound (the fastest engine of that job on the unlimited network)."""
     by = {(r["rate_mbit"], _job_key(r), r["engine"]): r for r in rows}
     for r in rows:
-        for ref in ("zero3", "hpz", "bound"):
+        for ref, label in (("zero3", "zero3"), ("hpz", "hpz"), ("bound", "bound"), (EXACT_ENGINE, "exact")):
             other = by.get((r["rate_mbit"], _job_key(r), ref))
             ok = other is not None and other["samples_per_s"] and r["samples_per_s"]
-            r[f"speedup_vs_{ref}"] = r["samples_per_s"] / other["samples_per_s"] if ok else None
+            r[f"speedup_vs_{label}"] = r["samples_per_s"] / other["samples_per_s"] if ok else None
             theirs = other["kernel_inter_node_bytes_per_step"] if other else 0
-            r[f"bytes_vs_{ref}"] = r["kernel_inter_node_bytes_per_step"] / theirs if theirs else None
+            r[f"bytes_vs_{label}"] = r["kernel_inter_node_bytes_per_step"] / theirs if theirs else None
         measured = [x["samples_per_s"] for x in rows if _job_key(x) == _job_key(r) and x["rate_mbit"] == 0
                     and not x.get("computed")]
         r["fraction_of_no_network_bound"] = r["samples_per_s"] / max(measured) if measured and r["samples_per_s"] else None
         k = r["kernel_inter_node_bytes_per_step"]
         r["counted_vs_kernel"] = r["counted_inter_node_bytes_per_step"] / k if k and not r.get("computed") else None
-    return rows
+    return add_step_floor(rows, _job_key)
 
 
 def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dict]:
@@ -236,27 +279,30 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "runs.jsonl").unlink(missing_ok=True)
     rows: list[dict] = []
-    tasks = [(rate, job, ga, rep, engine) for rate in spec.rates_mbit for job in spec.jobs for ga in spec.grad_accums
-             for rep in range(spec.repeats) for engine in spec.engines]
+    layouts = spec.layout_list()
+    tasks = [(lay, rate, job, ga, rep, engine) for lay in layouts for rate in spec.rates_mbit for job in spec.jobs
+             for ga in spec.grad_accums for rep in range(spec.repeats) for engine in spec.engines]
     bar = _progress(progress, len(tasks))
     started = time.time()
     runs: dict[tuple, list[dict]] = {}
     try:
-        for rate, job, ga, rep, engine in tasks:
-            bar.update(f"{_rate_label(rate)}, {job}, GA {ga}, {engine} (repeat {rep + 1}/{spec.repeats})")
-            one = asdict(spec) | {"engines": [engine], "grad_accum": ga}
-            with EmulatedCluster(spec.nodes, rate_mbit=rate or None, tag="b") as cluster:
-                record = run_local("fcdp_deepspeed.tools.bench:rank_main", spec.nodes * spec.ranks_per_node,
+        for (nodes, per_node), rate, job, ga, rep, engine in tasks:
+            where = f"{nodes}x{per_node}, " if len(layouts) > 1 else ""
+            bar.update(f"{where}{_rate_label(rate)}, {job}, GA {ga}, {engine} (repeat {rep + 1}/{spec.repeats})")
+            one = asdict(spec) | {"engines": [engine], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
+                                  "layouts": []}
+            with EmulatedCluster(nodes, rate_mbit=rate or None, tag="b") as cluster:
+                record = run_local("fcdp_deepspeed.tools.bench:rank_main", nodes * per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
-            runs.setdefault((rate, job, ga, engine), []).append(record)
+            runs.setdefault((nodes, per_node, rate, job, ga, engine), []).append(record)
             # Raw records as they arrive, so a long sweep cut short keeps what it measured.
             with open(out_dir / "runs.jsonl", "a") as f:
-                f.write(json.dumps({"rate": rate, "job": job, "grad_accum": ga, "engine": engine,
-                                    "record": record}) + "\n")
+                f.write(json.dumps({"layout": f"{nodes}x{per_node}", "rate": rate, "job": job, "grad_accum": ga,
+                                    "engine": engine, "record": record}) + "\n")
             bar.advance()
     finally:
         bar.close()
-    for (rate, job, ga, engine), repeats in runs.items():
+    for (_, _, rate, job, ga, engine), repeats in runs.items():
         rows.append(_combine(repeats, rate, spec))
     rows += bound_rows(rows)
     add_ratios(rows)
@@ -264,6 +310,21 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_results(rows, meta, out_dir)
     return rows
+
+
+def run_preset(name: str, base: BenchSpec, out_dir: Path, progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """Every sweep of ``PRESETS[name]`` (``base`` with that part's overrides) into ``out_dir/<part>``; the targets
+    they decide, checked on all their rows together, in ``out_dir/targets.json`` and ``targets.md``."""
+    rows: list[dict] = []
+    found: list[dict] = []
+    for part_name, part in PRESETS[name].items():
+        print(f"fcdp bench --preset {name}: part {part_name}", flush=True)
+        part_rows = run_bench(replace(base, **part.overrides), out_dir / part_name, progress=progress)
+        rows += part_rows
+        found += [t | {"part": part_name} for t in targets(part_rows, part.decides)]
+    (out_dir / "targets.json").write_text(json.dumps(found, indent=1))
+    (out_dir / "targets.md").write_text(targets_markdown(found))
+    return rows, found
 
 
 class _progress:
@@ -299,21 +360,28 @@ class _progress:
             self.bar.stop()
 
 
-COLUMNS = ["rate_mbit", "job", "grad_accum", "engine", "regime", "step_time_s", "samples_per_s", "speedup_vs_zero3",
-           "speedup_vs_hpz", "fraction_of_no_network_bound", "kernel_inter_node_bytes_per_step",
+COLUMNS = ["rate_mbit", "layout", "job", "grad_accum", "engine", "regime", "param_compression", "grad_compression",
+           "step_time_s", "samples_per_s", "speedup_vs_zero3", "speedup_vs_hpz", "speedup_vs_exact",
+           "fraction_of_no_network_bound", "kernel_inter_node_bytes_per_step",
            "counted_inter_node_bytes_per_step", "counted_vs_kernel", "bytes_vs_zero3", "bytes_vs_hpz", "bytes_vs_bound",
+           "bytes_vs_exact", "compute_s", "wire_s", "wire_frames_s", "step_vs_floor",
            "host_cache_bytes_per_rank", "grad_buffer_host_bytes_per_rank", "device_cache_bytes_per_rank",
            "peak_memory_bytes"]
 
 
 def write_results(rows: list[dict], meta: dict, out_dir: Path) -> None:
-    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    """bench.json (rows, and issue 23's targets where the run decides any), .csv, .png, .md."""
+    doc = {"meta": meta, "rows": rows}
+    found = targets(rows)
+    if found:
+        doc["targets"] = found
+    (out_dir / "bench.json").write_text(json.dumps(doc, indent=1))
     with open(out_dir / "bench.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     plot(rows, out_dir / "bench.png")
-    (out_dir / "bench.md").write_text(markdown_table(rows))
+    (out_dir / "bench.md").write_text(markdown_table(rows) + ("\n" + targets_markdown(found) if found else ""))
 
 
 def _rate_label(rate: float) -> str:
@@ -321,19 +389,23 @@ def _rate_label(rate: float) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| bandwidth | job | GA | engine | step time (s) | samples/s | vs ZeRO-3 | vs hpZ | of no-network bound | "
-             "inter-node MB/step (kernel) | bytes vs ZeRO-3 | bytes vs hpZ | bytes vs bound | counted/kernel | "
-             "cache host MiB/rank | grad buffer MiB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per row; ``vs exact`` is against ``fcdp_node`` (the exact defaults), ``step / floor`` is
+    ``step_vs_floor`` (tools/bench_compression.py)."""
+    lines = ["| bandwidth | layout | job | GA | engine | step time (s) | samples/s | vs ZeRO-3 | vs hpZ | vs exact | "
+             "of no-network bound | inter-node MB/step (kernel) | bytes vs ZeRO-3 | bytes vs hpZ | bytes vs bound | "
+             "bytes vs exact | step / max(compute, wire) | counted/kernel | cache host MiB/rank | grad buffer MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     order = {e: i for i, e in enumerate((*ALL_ENGINES, "bound"))}
-    for r in sorted(rows, key=lambda r: (r["rate_mbit"] == 0, r["rate_mbit"], r["job"], r.get("grad_accum", 1),
-                                         order.get(r["engine"], 9))):
-        lines.append(f"| {_rate_label(r['rate_mbit'])} | {r['job']} | {r.get('grad_accum', 1)} | {r['engine']} | "
+    for r in sorted(rows, key=lambda r: (r["rate_mbit"] == 0, r["rate_mbit"], r.get("nodes", 2), r.get("world", 4),
+                                         r["job"], r.get("grad_accum", 1), order.get(r["engine"], 99))):
+        lines.append(f"| {_rate_label(r['rate_mbit'])} | {_layout(r)} | {r['job']} | {r.get('grad_accum', 1)} | {r['engine']} | "
                      f"{r['step_time_s']:.3f} | {fmt(r['samples_per_s'], '.1f')} | {fmt(r['speedup_vs_zero3'], '.2f')}x | "
-                     f"{fmt(r['speedup_vs_hpz'], '.2f')}x | {fmt(r['fraction_of_no_network_bound'], '.0%')} | "
+                     f"{fmt(r['speedup_vs_hpz'], '.2f')}x | {fmt(r.get('speedup_vs_exact'), '.2f')}x | "
+                     f"{fmt(r['fraction_of_no_network_bound'], '.0%')} | "
                      f"{r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} | {fmt(r['bytes_vs_zero3'], '.3f')} | "
                      f"{fmt(r['bytes_vs_hpz'], '.3f')} | {fmt(r['bytes_vs_bound'], '.2f')} | "
+                     f"{fmt(r.get('bytes_vs_exact'), '.3f')} | {fmt(r.get('step_vs_floor'), '.2f')} | "
                      f"{fmt(r['counted_vs_kernel'], '.3f')} | {r['host_cache_bytes_per_rank'] / 2**20:.1f} | "
                      f"{r.get('grad_buffer_host_bytes_per_rank', 0) / 2**20:.2f} |")
     return "\n".join(lines) + "\n"
@@ -344,6 +416,8 @@ def _plot_bars(rows: list[dict], jobs: list, axes) -> None:
     for col, job in enumerate(jobs):
         mine = {r["engine"]: r for r in rows if _job_key(r) == job}
         names = [e for e in (*ALL_ENGINES, "bound") if e in mine]
+        for ax in (axes[0][col], axes[1][col]):
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         measured = [e for e in names if e != "bound"]
         axes[0][col].bar(measured, [mine[e]["samples_per_s"] for e in measured], color="tab:blue")
         axes[1][col].bar(names, [mine[e]["kernel_inter_node_bytes_per_step"] / 1e6 for e in names],
@@ -351,8 +425,17 @@ def _plot_bars(rows: list[dict], jobs: list, axes) -> None:
         for row, ylabel in ((0, "samples/s"), (1, "inter-node MB per step (kernel; bound computed)")):
             ax = axes[row][col]
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{job[0]}, GA {job[1]}, {_rate_label(rows[0]['rate_mbit'])} ({rows[0]['regime']} release regime)")
+            ax.set_title(f"{_job_title(job)}, {_rate_label(rows[0]['rate_mbit'])} ({rows[0]['regime']} release regime)")
             ax.grid(alpha=0.3, axis="y")
+
+
+def _job_title(job: tuple) -> str:
+    name, ga, nodes, world = job
+    return f"{name}, GA {ga}, {nodes}x{world // nodes}"
+
+
+#: Line styles of the measured engines in :func:`plot` (``bound``: black dotted), in ALL_ENGINES order.
+_STYLES = ("o-", "s--", "^-", "D-", "v--", "P-", "X-", "*--", "h--", "<:", ">:")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -362,7 +445,7 @@ def plot(rows: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    jobs = sorted({_job_key(r) for r in rows}, key=lambda j: (JOBS.index(j[0]) if j[0] in JOBS else 9, j[1]))
+    jobs = sorted({_job_key(r) for r in rows}, key=lambda j: (j[2], j[3], JOBS.index(j[0]) if j[0] in JOBS else 9, j[1]))
     fig, axes = plt.subplots(2, len(jobs), figsize=(6 * len(jobs), 8), squeeze=False)
     rates = sorted({r["rate_mbit"] for r in rows if r["rate_mbit"]})
     if len({r["rate_mbit"] for r in rows}) == 1:  # one bandwidth: bars per engine instead of lines over rates
@@ -373,7 +456,8 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     unlimited_x = (max(rates) * 4) if rates else 1
     for col, job in enumerate(jobs):
-        for engine, style in zip((*ALL_ENGINES, "bound"), ("o-", "s--", "^-", "D-", "v--", "k:")):
+        for i, engine in enumerate((*ALL_ENGINES, "bound")):
+            style = "k:" if engine == "bound" else _STYLES[i % len(_STYLES)]
             pts = sorted(((r["rate_mbit"] or unlimited_x, r) for r in rows
                           if _job_key(r) == job and r["engine"] == engine and r["samples_per_s"]), key=lambda p: p[0])
             if not pts:
@@ -388,7 +472,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_xticks(rates + [unlimited_x])
             ax.set_xticklabels([_rate_label(r) for r in rates] + ["unlimited"], rotation=30, fontsize=8)
             ax.set_ylabel(ylabel)
-            ax.set_title(f"{job[0]}, GA {job[1]} ({rows[0]['regime']} release regime)")
+            ax.set_title(f"{_job_title(job)} ({rows[0]['regime']} release regime)")
             ax.grid(alpha=0.3)
             ax.legend()
         axes[1][col].set_xlabel("inter-node bandwidth per node uplink")
@@ -398,7 +482,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _extra(ap: argparse.ArgumentParser, text: str) -> dict:
-    """``--fcdp-extra``: a JSON object of fcdp keys, checked against the config model now (not in every rank)."""
+    """``--fcdp-extra``: a JSON object of fcdp keys, checked against the config model here (not in every rank)."""
     try:
         extra = json.loads(text)
     except json.JSONDecodeError as err:
@@ -420,6 +504,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ALL_ENGINES)}")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--layout", default="", help="NODESxRANKS layouts to sweep, e.g. 2x2,2x4,4x2 (overrides --nodes "
+                    "and --ranks-per-node)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lora-rank", type=int, default=2)
@@ -431,14 +517,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--regime", choices=["large", "default"], default="large")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
                     help="fcdp.param_gather of the FCDP engines")
-    ap.add_argument("--fcdp-extra", default="{}", help="JSON object of more fcdp keys for every FCDP engine")
+    ap.add_argument("--compression-block", type=int, default=128, help="fcdp.compression_block of the compressed engines")
+    ap.add_argument("--fcdp-extra", default="{}", help="JSON object of more fcdp keys for every FCDP engine, "
+                    "e.g. '{\"param_refresh_interval\": 0}'")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="run a named set of sweeps instead (compression: issue "
+                    "23's targets; only the model, regime and --out options apply), each into OUT/<part>, and check "
+                    "the targets on all of them (OUT/targets.json, OUT/targets.md)")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
+    # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     unknown = sorted(set(args.engines.split(",")) - set(ALL_ENGINES))
     if unknown:
         ap.error(f"--engines: unknown {', '.join(unknown)} (choose from {', '.join(ALL_ENGINES)})")
-    spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+    try:
+        layouts = parse_layouts(args.layout)
+    except ValueError as err:
+        ap.error(f"--layout: {err}")
+    spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, layouts=layouts,
+                     compression_block=args.compression_block,
                      rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
                      engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
                      micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
@@ -447,6 +546,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                      regime=args.regime, param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
+        if args.preset:
+            _, found = run_preset(args.preset, spec, Path(args.out), progress=not args.no_progress)
+            print(targets_markdown(found) or "no target decided by these runs")
+            print(f"results: {args.out}/<part>/bench.*, {args.out}/targets.json, targets.md")
+            return 0
         rows = run_bench(spec, Path(args.out), progress=not args.no_progress)
     except ClusterUnavailable as err:
         print(f"fcdp bench needs network namespaces: {err}")

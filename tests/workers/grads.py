@@ -324,3 +324,77 @@ def bf16_errors(sc: dict, fcdp: dict | None) -> list[dict]:
 def bf16_error_bounds(scenarios: list[dict], ranks_per_node: int, break_kind: str = "") -> dict:
     """Per scenario, in bf16: boundary errors of plain ZeRO-3 and of each FCDP gradient mode."""
     return _errors_by_mode(scenarios, ranks_per_node, break_kind, bf16_errors)
+
+
+class _Offset(torch.nn.Module):
+    """A parameter with a gradient of its own: ``c`` per element, the same on every rank and micro-step."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight * 1.0  # a new tensor: the parameter itself is released after the forward
+
+
+class OffsetToy(toy.ToyModel):
+    def __init__(self) -> None:
+        super().__init__(32, 2)
+        self.offset = _Offset(32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(x), self.offset()
+
+
+#: ``fp16_window`` runs: plain ZeRO-3, node accumulation, and node accumulation casting window sums to fp16.
+FP16_RUNS = {"plain": None, "node": {"grad_reduce": "hierarchical", "grad_accumulation": "node"},
+             "cast_first": {"grad_reduce": "hierarchical", "grad_accumulation": "node"}}
+
+
+def fp16_window(steps: int = 4, grad_accum: int = 4, scale_power: int = 16, scaled_grad: float = 40000.0,
+                overflow_step: int = 1, grad_accum_dtype: str = "fp32") -> dict:
+    """fp16 with dynamic loss scaling (initial scale 2**scale_power), GA ``grad_accum`` on 2 x 2, gradients
+    accumulated in ``grad_accum_dtype`` (DeepSpeed's ``data_types``; its default for fp16 is fp16). The offset
+    parameter's scaled fp16 gradient is ``scaled_grad`` on every rank and micro-step (DeepSpeed divides the
+    loss by GA first): finite, and so is ZeRO-3's per-micro-step reduction, but a node's window sum is
+    K*L/W = 2x that (past fp16's 65504). The
+    first micro-step of step ``overflow_step`` scales the loss by 1e4, so every run overflows there for
+    real. Per run: skipped steps and loss scale after each step, losses, weights.
+
+    [Note: fp16 on the CPU accelerator] DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16
+    kernels (``is_fp16_supported``), as on the CI machine; torch's CPU fp16 ops run anyway (slowly), so the
+    check is lifted here for these tiny models."""
+    from deepspeed.accelerator import get_accelerator
+    setup(2)
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    c = scaled_grad * grad_accum / 2**scale_power
+    out = {}
+    for name, block in FP16_RUNS.items():
+        if name == "cast_first":  # the broken variant: window sums cast to the fp16 communication dtype
+            grads.StageCollectives.wire_dtype = lambda self, comm_dtype, window_sums: comm_dtype
+        cfg = toy.ds_config({"enabled": True, "ranks_per_node": 2, **block} if block else None, regime="large",
+                            grad_accum=grad_accum, dtype="fp16", loss_scale_power=scale_power)
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+        fcdp_deepspeed.install()
+        torch.manual_seed(0)
+        model = OffsetToy()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        res = {"losses": [], "skipped": [], "scale": []}
+        micro = 0
+        for step in range(steps):
+            for k in range(grad_accum):
+                x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), 32)
+                pred, offset = engine(x.half())
+                loss = F.mse_loss(pred.float(), y) + c * offset.float().sum()
+                engine.backward(loss * (1e4 if (step, k) == (overflow_step, 0) else 1.0))
+                engine.step()
+                res["losses"].append(loss.item())
+                micro += 1
+            res["skipped"].append(engine.skipped_steps)
+            res["scale"].append(float(engine.optimizer.loss_scale))
+        res["weights"] = toy.gather_weights(engine)
+        res["optimizer"] = type(engine.optimizer).__name__
+        stats = fcdp_deepspeed.get_stats(engine)
+        res["modes"] = (stats.get("grad_reduce"), stats.get("grad_accumulation"))
+        out[name] = res
+    return out
