@@ -40,7 +40,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import device, ds_compat, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
@@ -178,7 +178,8 @@ class FCDPStage3(_CompressionCheckpoint, CountedStage3):
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
-            accumulation_blockers=grad_accumulation_blockers(ds_config))
+            accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
+        announce.announce(self.fcdp, self.fcdp_grad_plan)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
@@ -333,6 +334,7 @@ class FCDPZeROOffload(CountedZeROOffload):
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
     def checkpoint_event_prologue(self) -> None:

@@ -31,17 +31,22 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from fcdp_deepspeed import comm_warmup, device
 from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.compress.reference import ReferenceCheckpoint
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.monitor import latest_monitor
-from fcdp_deepspeed.runtime.allocation import Allocation, warn_if_nothing_cached
+from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.compression import build_compression
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather
 from fcdp_deepspeed.runtime.invalidation import Invalidation
+from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.stats import CacheCounters, CommCounters
@@ -57,6 +62,7 @@ class FCDPRuntime:
                  optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
                  comm: Optional[CommCounters] = None) -> None:
         self.config = config
+        self.ds_config = ds_config
         self.module = module
         self.dp_group = dp_group
         self.optimizer_ids = frozenset(p.ds_id for p in optimizer_params if hasattr(p, "ds_id"))
@@ -70,6 +76,7 @@ class FCDPRuntime:
         # The parts, built by activate().
         self.attachment: Optional[Attachment] = None
         self.allocation: Optional[Allocation] = None
+        self.promotion: Optional[Promotion] = None
         self.fetch: Optional[FetchPath] = None
         self.param_gather = "flat"
         self.invalidation: Optional[Invalidation] = None
@@ -92,11 +99,16 @@ class FCDPRuntime:
         self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
         # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
         self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
-        cache = self.attachment.cache
-        self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
+        cache, topo = self.attachment.cache, self.attachment.topology
+        gather = build_gather(self.config, topo)
+        if topo.num_nodes > 1:  # before placement: NCCL's buffers exist when the cache is placed ([Note: why warm up])
+            comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group if gather is not None else None})
+        self.allocation = Allocation(self.config, self.dp_group, topo, cache)
         self.allocation.plan_and_allocate()
+        self.allocation.log_pinning()
+        self._warn_pageable_offload()
+        self.promotion = Promotion(self.config, cache)
         warn_if_nothing_cached(self.attachment, self.allocation)
-        gather = build_gather(self.config, self.attachment.topology)  # collective (peer groups)
         self.param_gather = "flat" if gather is None else "hierarchical"
         self.compression, self.compression_state = build_compression(  # collective (slot agreement)
             self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
@@ -110,7 +122,7 @@ class FCDPRuntime:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
-                             self.monitor)
+                             self.monitor, self.promotion)
         if self.compression is not None:
             self.report.extra = lambda: self.compression.stats(self.comm)
         return self
@@ -136,9 +148,17 @@ class FCDPRuntime:
         if self.compression is not None:
             self.compression.store.drop_all(why)
 
+    def _warn_pageable_offload(self) -> None:
+        """One warning (rank 0): DeepSpeed's offloaded partitions are pageable (its ``pin_memory`` defaults to
+        false), so every copy of them to the accelerator, FCDP's two-stage gather's included, is synchronous."""
+        if offloaded_pageable(self.ds_config) and device.pins_host_memory() and self.cache.entries and \
+                dist.get_rank() == 0:
+            logger.warning(pageable_warning("zero_optimization.offload_param.pin_memory is false") +
+                           " Set zero_optimization.offload_param.pin_memory: true for DeepSpeed's offloaded partitions.")
+
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
-        self.allocation.on_step_end()
+        self.promotion.on_step_end()
         if self.compression is not None:
             self.compression.store.on_step_end()
             if self.report.due():

@@ -181,4 +181,4 @@ def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGat
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
     assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
     return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, topo.peer_group, slot_of_rank(layout),
-                              stream=device.new_stream("fcdp_gather"))
+                              stream=device.side_stream("gather"))
