@@ -1,13 +1,9 @@
-"""fcdp-deepspeed: Fully Cached Data Parallel (node-local parameter cache) for DeepSpeed ZeRO-3."""
+"""fcdp-deepspeed's build hook: the startup file (``fcdp_deepspeed_autoload.pth``) in wheels and editable
+installs. Everything else (name, version, dependencies, metadata) is declared in ``pyproject.toml``."""
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
-
-# The DeepSpeed releases the hooks were tested against (checked again at import).
-DEEPSPEED_PIN = "deepspeed==0.19.8"
-# This exact pin installs a CPU build from local disk here; a looser spec pulls a CUDA build.
-TORCH_PIN = "torch==2.13.0"
 
 # Config-key-only activation (see fcdp_deepspeed_autoload.py): Python's `site` runs this line at every
 # interpreter start. It must sit in site-packages itself, for wheel and editable installs alike.
@@ -69,21 +65,5 @@ if editable_wheel is not None:
 
     cmdclass["editable_wheel"] = EditableWheelWithAutoload
 
-setup(
-    name="fcdp-deepspeed",
-    version="0.1.0",
-    description="Fully Cached Data Parallel: a node-local parameter cache for DeepSpeed ZeRO-3 on slow inter-node links",
-    long_description=open("README.md").read() if os.path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["fcdp_deepspeed", "fcdp_deepspeed.*"]),
-    py_modules=["fcdp_deepspeed_autoload"],
-    python_requires=">=3.10",
-    install_requires=[TORCH_PIN, DEEPSPEED_PIN, "pydantic>=2", "hjson", "psutil", "py-cpuinfo"],
-    extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
-        "bench": ["matplotlib", "rich"],
-        "hf": ["transformers", "peft", "accelerate"],
-    },
-    entry_points={"console_scripts": ["fcdp=fcdp_deepspeed.tools.cli:main"]},
-    cmdclass=cmdclass,
-)
+# Metadata, dependencies and the version live in pyproject.toml; this file only adds the startup file.
+setup(cmdclass=cmdclass)

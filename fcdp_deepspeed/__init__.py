@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from importlib import import_module
 
-__version__ = "0.1.0"
-
 #: Public names -> the module that defines them, imported on first access.
 _LAZY = {
     "get_stats": "fcdp_deepspeed.api", "is_installed": "fcdp_deepspeed.api",
     "enable_comm_counting": "fcdp_deepspeed.api", "FCDPConfig": "fcdp_deepspeed.config",
     "FCDPConfigError": "fcdp_deepspeed.config", "parse_fcdp_config": "fcdp_deepspeed.config",
     "StaleCacheError": "fcdp_deepspeed.runtime", "TopologyError": "fcdp_deepspeed.topology",
+    "__version__": "fcdp_deepspeed.version",
 }
 
-__all__ = ["install", "uninstall", "initialize", *_LAZY, "__version__"]
+__all__ = ["install", "uninstall", "initialize", *_LAZY]
 
 
 def install() -> None:

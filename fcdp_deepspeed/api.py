@@ -15,7 +15,7 @@ import deepspeed  # noqa: E402
 import deepspeed.runtime.engine as _engine_module  # noqa: E402
 import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
 
-from fcdp_deepspeed.engine_config import FCDPCheckedConfig  # noqa: E402
+from fcdp_deepspeed.engine_config import FCDPCheckedConfig, check_zero_init  # noqa: E402
 from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
 from fcdp_deepspeed.grads import uninstall_dispatch  # noqa: E402
 from fcdp_deepspeed.monitor import RecordingMonitorMaster  # noqa: E402
@@ -38,13 +38,15 @@ def install() -> None:
     looks both classes up in these modules when it builds a ZeRO-3 engine: the optimizer class
     (training) and the offload class (engines without an optimizer).
     ``deepspeed.initialize`` parses its config with :class:`~fcdp_deepspeed.engine_config.FCDPCheckedConfig`,
-    which refuses an enabled block under ZeRO stage 0-2. This is the core half of the public
+    which refuses an enabled block under ZeRO stage 0-2; it and ``zero.Init`` refuse a block inside
+    ``zero_optimization`` or under a near-miss key (``engine_config.check_zero_init``). This is the core half of the public
     ``fcdp_deepspeed.install()``, which also installs the integrations (HF Trainer stats callback).
     """
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = CountedStage3
     _engine_module.DeepSpeedZeRoOffload = CountedZeROOffload
     _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
+    check_zero_init(True)  # zero.Init(config_dict_or_path=...): a misplaced or misspelled block, with the fix
 
 
 def uninstall() -> None:
@@ -53,6 +55,7 @@ def uninstall() -> None:
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
     deepspeed.DeepSpeedConfig = _ORIGINAL_CONFIG
+    check_zero_init(False)
     uninstall_dispatch()
 
 

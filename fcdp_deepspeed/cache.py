@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Iterable, Iterator, Optional
@@ -82,24 +83,28 @@ class CacheEntry:
 CHUNK_BYTES = 256 * 2**20
 
 
-def chunk_groups(nbytes: list[int], chunk_bytes: int) -> list[list[int]]:
-    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``
-    (a larger slot gets a chunk of its own)."""
+def chunk_groups(nbytes: list[int], chunk_bytes: int, pinned: bool = False) -> list[list[int]]:
+    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``.
+
+    A larger slot opens a chunk of its own, which costs ``pinned_cost`` of it (pinned: up to 2x): the slots
+    after it fill what that rounding pays for anyway, so a large slot wastes at most the rest of the pool's
+    tail. (A slot is one tensor, DeepSpeed's secondary, so it cannot span chunks.)"""
     chunks: list[list[int]] = []
-    used = 0
+    used = capacity = 0
     for i, n in enumerate(nbytes):
-        if chunks and used + n <= chunk_bytes:
+        if chunks and used + n <= capacity:
             chunks[-1].append(i)
             used += n
         else:
             chunks.append([i])
-            used = n
+            used, capacity = n, max(chunk_bytes, pinned_cost(n, pinned))
     return chunks
 
 
 def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
     """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
-    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned) for chunk in chunk_groups(nbytes, chunk_bytes))
+    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned)
+               for chunk in chunk_groups(nbytes, chunk_bytes, pinned))
 
 
 class SlotPool:
@@ -116,10 +121,15 @@ class SlotPool:
         self.pin = pin and placement is Placement.HOST
         self.chunks: list[torch.Tensor] = []
         self.allocations = 0
+        #: Host seconds spent allocating (pinning) and zeroing the chunks.
+        self.alloc_seconds = 0.0
+        #: Chunks no entry uses any more, each with the event after the last copy that read it.
+        self.retired: list[tuple[torch.Tensor, Any]] = []
 
     @property
     def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.chunks)
+        """Bytes held, retired chunks still waiting for their copies included."""
+        return sum(c.numel() * c.element_size() for c in self.chunks + [c for c, _ in self.retired])
 
     @property
     def pinned_nbytes(self) -> int:
@@ -138,6 +148,7 @@ class SlotPool:
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         faults.maybe_fail(f"alloc_{self.placement.value}")
+        t0 = time.perf_counter()
         if self.placement is Placement.DEVICE:
             buf = device.accel_empty(numel, dtype)
         elif self.pin:
@@ -148,6 +159,7 @@ class SlotPool:
         # [Note: zero padding] Slots are zeroed once here: fills write only the parameter's elements, so the
         # padding past ``valid_numel`` stays zero without a host write racing an in-flight copy.
         buf.zero_()
+        self.alloc_seconds += time.perf_counter() - t0
         self.allocations += 1
         return buf
 
@@ -162,7 +174,7 @@ class SlotPool:
         """Give each entry a slot; return the entries whose chunk could not be allocated."""
         failed: list[CacheEntry] = []
         for dtype, group in self._by_dtype(entries).items():
-            for indices in chunk_groups([e.nbytes for e in group], CHUNK_BYTES):
+            for indices in chunk_groups([e.nbytes for e in group], CHUNK_BYTES, self.rounds):
                 chunk = [group[i] for i in indices]
                 try:
                     buf = self._allocate(sum(c.slot_numel for c in chunk), dtype)
@@ -177,10 +189,34 @@ class SlotPool:
                     offset += c.slot_numel
         return failed
 
-    def release_unused(self, entries: Iterable[CacheEntry]) -> None:
-        """Drop chunks no live entry points into (after a cross-rank agreement disabled them)."""
+    def release_unused(self, entries: Iterable[CacheEntry], last_use: Any = None) -> None:
+        """Retire chunks no live entry points into (after an agreement disabled them, or a move emptied them).
+
+        [Note: deferred release] ``last_use`` is an event after the last copy that read them (the move's):
+        they are dropped by :meth:`reap` once it has completed, never while a copy may still read them.
+        Pinned memory from ``DS_PIN_MEMORY_BACKEND=native`` is freed with no event, and even torch's caching
+        host allocator only protects copies it saw."""
         used = {e.slot.untyped_storage().data_ptr() for e in entries if e.slot is not None}
+        self.retired += [(c, last_use) for c in self.chunks if c.untyped_storage().data_ptr() not in used]
         self.chunks = [c for c in self.chunks if c.untyped_storage().data_ptr() in used]
+        self.reap()
+
+    def reap(self) -> int:
+        """Drop retired chunks whose last copy has completed (non-blocking); return the bytes freed. Freed
+        pinned chunks go back to the system (torch's caching host allocator would keep them cached)."""
+        done = [(c, ev) for c, ev in self.retired if device.event_done(ev)]
+        if not done:
+            return 0
+        self.retired = [(c, ev) for c, ev in self.retired if all(c is not d for d, _ in done)]
+        freed = 0
+        for chunk, _ in done:
+            freed += chunk.numel() * chunk.element_size()
+            if self.placement is Placement.HOST:
+                device.drop_host(chunk)
+        del chunk, done
+        if self.placement is Placement.HOST:
+            device.empty_host_cache()
+        return freed
 
 
 def tag_secondary(tensor: torch.Tensor, numel: int) -> torch.Tensor:
@@ -199,37 +235,50 @@ class SlotCopies:
     def __init__(self, lock: Any, counters: CacheCounters) -> None:
         self._lock = lock
         self.counters = counters
+        self.last_move: Any = None
 
     @contextmanager
     def staged(self, entries: Iterable[CacheEntry]) -> Iterator[None]:
         """Serve host-resident hits from device copies issued asynchronously.
 
-        Called while DeepSpeed issues a gather, i.e. on its all-gather stream: the copies from the
-        pinned pool are non-blocking on that stream, so they overlap compute on the default stream
-        and are ordered before the gather that reads them. The gather stream first waits for each hit's
-        fill (``entry.ready``: fills are asynchronous copies on the releasing stream). On a CPU accelerator
-        nothing is copied.
+        [Note: staged copies] Called while DeepSpeed issues a gather, i.e. on its all-gather stream. The
+        copies run on FCDP's own copy stream (``device.side_stream("param_h2d")``): each first waits for its
+        slot's fill (``entry.ready``: fills are asynchronous copies on the releasing stream), then copies
+        from the pinned pool; the all-gather stream waits for one event after the batch, right before the
+        gather that reads them. So hit copies never queue ahead of other gathers on the all-gather stream
+        (prefetches issue many), and they overlap compute and the other direction's copies. The device
+        copies are allocated on the copy stream and read on the all-gather stream: ``record_stream`` before
+        they are dropped. A device-resident hit is read by the gather itself, which waits on its fill.
+        On a CPU accelerator nothing is copied.
         """
         if device.host_is_accel():
             yield
             return
         moved = []
         with self._lock:
+            copies = device.side_stream("param_h2d")
             for e in entries:
                 if e.state is not EntryState.FILLED or e.slot is None:
                     continue
-                device.wait_event(e.ready)
-                if e.placement is Placement.HOST:
+                if e.placement is not Placement.HOST:
+                    device.wait_event(e.ready)
+                    continue
+                with device.stream(copies):
+                    device.wait_event(e.ready)
                     e.staged = tag_secondary(device.to_accel(e.slot), e.slot_numel)
-                    e.param.ds_secondary_tensor = e.staged
-                    moved.append(e)
+                e.param.ds_secondary_tensor = e.staged
+                moved.append(e)
             if moved:
+                with device.stream(copies):
+                    copied = device.record_event()
+                device.wait_event(copied)
                 self.counters.bump(staged_copies=len(moved), staged_bytes=sum(e.nbytes for e in moved))
         try:
             yield
         finally:
             with self._lock:
                 for e in moved:
+                    device.record_stream(e.staged)  # read by the gather on this stream
                     if e.param.ds_secondary_tensor is e.staged:
                         e.param.ds_secondary_tensor = e.slot
                     e.staged = None
@@ -237,7 +286,9 @@ class SlotCopies:
     def move(self, entries: list[CacheEntry], pool: SlotPool) -> list[CacheEntry]:
         """Re-place entries into ``pool`` (validity unchanged: placement is a per-rank decision).
 
-        Returns the entries that moved; the others keep their old slot.
+        Returns the entries that moved; the others keep their old slot. The copies run on the current
+        stream, each after its slot's fill; ``self.last_move`` is an event after them (the old chunks'
+        release waits for it, see [Note: deferred release]).
         """
         with self._lock:
             old = {id(e): e.slot for e in entries}
@@ -251,6 +302,7 @@ class SlotCopies:
                     e.ready = device.record_event()
                     tag_secondary(e.slot, e.slot_numel)
                     e.param.ds_secondary_tensor = e.slot
+            self.last_move = device.record_event()
         return moved
 
 

@@ -19,14 +19,28 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from fcdp_deepspeed import ds_compat
+from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
 
-FCDP_KEY = "fcdp"
+__all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
+           "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
 #: ``fcdp.log_interval`` when neither it nor a finite ``steps_per_print`` is set.
 DEFAULT_LOG_INTERVAL = 10
 
 
-class FCDPConfigError(ValueError):
-    """A bad ``fcdp`` block or a DeepSpeed config FCDP cannot run with. The message names the fix."""
+def parse_verify(value: Any) -> Any:
+    """``fcdp.verify``: ``true``/``false`` or a sampling rate in (0, 1] (numbers and their strings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    try:
+        rate = float(value) if isinstance(value, (int, float, str)) else math.nan
+    except (ValueError, OverflowError):
+        rate = math.nan
+    if not 0.0 < rate <= 1.0:
+        raise FCDPConfigError(f"fcdp.verify = {value!r}: expected true, false or a sampling rate in (0, 1] such as "
+                              f"0.01. Fix: set fcdp.verify to one of them, or leave it out (off).")
+    return rate
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -78,6 +92,11 @@ class Budget:
             if value < 0:
                 raise FCDPConfigError(f"fcdp.{key}: budget must be >= 0 bytes, got {value}. "
                                       f"Fix: give a non-negative byte count or a percentage like \"20%\".")
+            if 0 < value < 1:  # [Note: a number is bytes; 0.5 is almost surely meant as a share of memory]
+                raise FCDPConfigError(f"fcdp.{key} = {value!r}: a number is a count of bytes, and {value!r} bytes "
+                                      f"is no budget. Fix: for a share of the memory write a percentage string, "
+                                      f"did you mean \"{value * 100:g}%\"? For bytes give a whole number such as "
+                                      f"8589934592 or a size like \"8GiB\".")
             return cls("bytes", _byte_count(key, value, 1))
         if isinstance(value, str):
             if value.strip().lower() == "auto":
@@ -119,12 +138,12 @@ class FCDPConfig(DeepSpeedConfigModel):
     ``device``: accelerator memory within ``device_budget``, the rest on the host. ``auto``: host
     first, promoted to the accelerator at step boundaries when measured headroom allows."""
 
-    host_budget: Union[int, str] = "50%"
+    host_budget: Any = "50%"
     """Host memory the cache may use per node: bytes, a size like ``"64GiB"`` or a percentage of
     available host RAM measured at engine creation. Split evenly across the node's ranks. Slices that
     do not fit stay uncached (plain ZeRO-3) with one warning."""
 
-    device_budget: Union[int, str] = "auto"
+    device_budget: Any = "auto"
     """Accelerator memory the cache may use per rank: bytes, a size, or a percentage of free
     accelerator memory measured after the model and optimizer are built. ``auto``: in ``device``
     mode 50% of that free memory; in ``auto`` mode half of the headroom left at the peak of the
@@ -136,7 +155,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     keep_frozen: bool = True
     """Frozen parameters (``requires_grad=False``) stay cached across optimizer steps (PEFT)."""
 
-    verify: Union[bool, float] = False
+    verify: Any = False
     """Check cache hits against a plain ZeRO-3 gather of the same parameter and raise on any
     difference. ``true`` checks every hit, a float in (0, 1] checks that fraction of hits. Costs one
     extra full-group all-gather per checked hit; for debugging."""
@@ -161,7 +180,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     """Where the ``node`` accumulation buffer (1/L of the trainable parameters per rank, fp32) lives:
     pinned host memory (no accelerator memory beyond ZeRO-3's) or accelerator memory."""
 
-    grad_buffer_budget: Union[int, str] = "25%"
+    grad_buffer_budget: Any = "25%"
     """Memory the accumulation buffer may use: on the host per node (bytes, a size or a percentage of
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
@@ -181,13 +200,15 @@ class FCDPConfig(DeepSpeedConfigModel):
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
+    param_refresh_interval: int = Field(100, ge=0)
+    """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
     compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing)."""
 
     log_interval: Optional[int] = Field(None, ge=0)
-    """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
+    """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
     HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
 
@@ -195,6 +216,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
         _refuse_flat_compression(data)
+        _compression_needs_the_two_stage_gather(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -212,9 +234,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     @field_validator("verify")
     @classmethod
     def _check_verify(cls, value: Any) -> Any:
-        if not isinstance(value, bool) and not (0.0 < float(value) <= 1.0):
-            raise FCDPConfigError(f"fcdp.verify: expected true/false or a sampling rate in (0, 1], got {value!r}.")
-        return value
+        return parse_verify(value)
 
     @property
     def host_budget_spec(self) -> Budget:
@@ -251,21 +271,36 @@ class FCDPConfig(DeepSpeedConfigModel):
         return float(self.verify)
 
 
+def _compression_needs_the_two_stage_gather(data: Any) -> None:
+    if isinstance(data, Mapping) and data.get("param_compression", "off") != "off" and data.get("param_gather") == "flat":
+        raise FCDPConfigError(f"fcdp.param_compression = \"{data['param_compression']}\" compresses the inter-node stage "
+                              f"of the two-stage gather, which fcdp.param_gather = \"flat\" does not run. Fix: set "
+                              f"param_gather to \"auto\" or \"hierarchical\", or param_compression to \"off\".")
+
+
+def resolved_param_compression(config: FCDPConfig, num_nodes: int, ranks_per_node: int) -> str:
+    """``fcdp.param_compression`` for a layout: ``off`` wherever the two-stage gather does not run (one node,
+    one rank per node)."""
+    return config.param_compression if config.resolved_param_gather(num_nodes, ranks_per_node) != "flat" else "off"
+
+
 def allowed_keys() -> list[str]:
     return sorted(FCDPConfig.model_fields)
 
 
-def _format_validation_error(err: ValidationError) -> str:
-    msgs = []
-    for e in err.errors():
-        key = ".".join(str(x) for x in e.get("loc", ())) or "<block>"
-        if e.get("type") == "extra_forbidden":
-            msgs.append(f"unknown key {FCDP_KEY}.{key}. Allowed keys: {', '.join(allowed_keys())}. "
-                        f"Fix: remove or rename it.")
-        else:
-            msg = str(e.get("msg", "")).removeprefix("Value error, ")
-            msgs.append(msg if msg.startswith(f"{FCDP_KEY}.") else f"{FCDP_KEY}.{key} = {e.get('input')!r}: {msg}.")
-    return "invalid \"fcdp\" config block: " + " ".join(msgs)
+def block_error(problems: list[str]) -> FCDPConfigError:
+    """One error for every problem of a block: on one line for one, one per line for several."""
+    if len(problems) == 1:
+        return FCDPConfigError("invalid \"fcdp\" config block: " + problems[0], problems)
+    lines = "".join(f"\n  - {p}" for p in problems)
+    return FCDPConfigError(f"invalid \"fcdp\" config block, {len(problems)} problems:{lines}", problems)
+
+
+def check_block_placement(ds_config: Mapping[str, Any]) -> None:
+    """Refuse a block inside ``zero_optimization`` or under a near-miss top-level key (``FCDP``, ``fcpd``)."""
+    problems = placement_problems(ds_config)
+    if problems:
+        raise block_error(problems)
 
 
 def load_ds_config(config: Union[str, os.PathLike, Mapping[str, Any], Any, None]) -> dict:
@@ -298,7 +333,7 @@ def parse_fcdp_config(ds_config: Union[str, os.PathLike, Mapping[str, Any], Any,
     try:
         return FCDPConfig(**dict(block))
     except ValidationError as err:
-        raise FCDPConfigError(_format_validation_error(err)) from None
+        raise block_error(validation_problems(err.errors(), FCDPConfig.model_fields)) from None
 
 
 def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:

@@ -94,9 +94,10 @@ class Door:
         self.record_stream(t)
         return out
 
-    def small_to_accel(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A tiny control tensor (agreement all-reduces at planning time; blocking, never per step)."""
-        return torch.tensor(values, dtype=dtype).to(self.accel_device())
+    def small_to_accel(self, values: list, dtype: torch.dtype, where: Optional[torch.device] = None) -> torch.Tensor:
+        """A tiny control tensor on ``where`` (default: the current accelerator device), blocking: planning
+        time, or once per cached index (see ``grads.layout.order_index``)."""
+        return torch.tensor(values, dtype=dtype).to(where if where is not None else self.accel_device())
 
     def small_to_host(self, t: torch.Tensor) -> list:
         """The values of a tiny control tensor (blocking: planning time only)."""
@@ -108,6 +109,17 @@ class Door:
 
     def stream(self, s: Any) -> ContextManager:
         return get_accelerator().stream(s) if s is not None and self.has_streams() else nullcontext()
+
+    def side_stream(self, name: str) -> Any:
+        """FCDP's own stream ``name`` on the current device, created once: copies that must not queue behind
+        DeepSpeed's collectives on its streams (``None`` without streams)."""
+        if not self.has_streams():
+            return None
+        key = (name, str(self.accel_device()))
+        streams = self.__dict__.setdefault("_side", {})
+        if key not in streams:
+            streams[key] = get_accelerator().Stream()
+        return streams[key]
 
     def record_stream(self, t: torch.Tensor) -> None:
         """``t`` is used by work on the current stream: the allocator must not reuse it before that work ran."""
@@ -140,6 +152,24 @@ class Door:
         """Block the host until ``s`` drained: only where the host itself reads what ``s`` wrote."""
         if s is not None and self.has_streams():
             s.synchronize()
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before ``event`` has finished, without waiting (``True`` without streams)."""
+        return event is None or bool(event.query())
+
+    # -- releasing pinned memory ------------------------------------------------------------------
+    def drop_host(self, t: torch.Tensor) -> None:
+        """The caller drops its last reference to pinned ``t`` now. Every copy that used it must have
+        finished (:func:`event_done`): ``DS_PIN_MEMORY_BACKEND=native`` frees pinned memory with no event.
+        Nothing to do here (the strict door checks it)."""
+
+    def empty_host_cache(self) -> None:
+        """Hand cached, unused pinned blocks of torch's caching host allocator back to the system (they stay
+        cached, counted against the cgroup, after their tensors died)."""
+        if self.pins_host_memory():
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()
 
 
 _DOOR: Door = Door()
@@ -205,8 +235,8 @@ def to_host(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor
     return _DOOR.to_host(t, out)
 
 
-def small_to_accel(values: list, dtype: torch.dtype) -> torch.Tensor:
-    return _DOOR.small_to_accel(values, dtype)
+def small_to_accel(values: list, dtype: torch.dtype, where: Optional[torch.device] = None) -> torch.Tensor:
+    return _DOOR.small_to_accel(values, dtype, where)
 
 
 def small_to_host(t: torch.Tensor) -> list:
@@ -219,6 +249,10 @@ def current_stream() -> Any:
 
 def stream(s: Any) -> ContextManager:
     return _DOOR.stream(s)
+
+
+def side_stream(name: str) -> Any:
+    return _DOOR.side_stream(name)
 
 
 def record_stream(t: torch.Tensor) -> None:
@@ -243,3 +277,15 @@ def host_wait(event: Any) -> None:
 
 def host_wait_stream(s: Any) -> None:
     _DOOR.host_wait_stream(s)
+
+
+def event_done(event: Any) -> bool:
+    return _DOOR.event_done(event)
+
+
+def drop_host(t: torch.Tensor) -> None:
+    _DOOR.drop_host(t)
+
+
+def empty_host_cache() -> None:
+    _DOOR.empty_host_cache()

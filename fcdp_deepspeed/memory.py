@@ -106,6 +106,25 @@ def cgroup_headroom(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
     return [f for f in found if f is not None]
 
 
+def cgroup_current(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
+                   proc_cgroup: str | os.PathLike = "/proc/self/cgroup") -> Optional[tuple[str, int]]:
+    """``(path, bytes)`` of this process's cgroup v2 ``memory.current`` (v1: ``memory.usage_in_bytes``), or
+    ``None`` where neither is readable. What the cgroup charges, page-locked memory included."""
+    root, paths = Path(cgroup_root), _cgroup_paths(Path(proc_cgroup))
+    candidates = []
+    if "" in paths:
+        for mount in (root, root / "unified"):
+            if (mount / "cgroup.controllers").exists():
+                candidates.append(_levels(mount, paths[""])[0] / "memory.current")
+    if "memory" in paths and (root / "memory").is_dir():
+        candidates.append(_levels(root / "memory", paths["memory"])[0] / "memory.usage_in_bytes")
+    for path in candidates:
+        value = _read_int(path)
+        if value is not None:
+            return str(path), value
+    return None
+
+
 def slurm_limit(environ: Mapping[str, str], used_bytes: int) -> Optional[tuple[str, int]]:
     """Headroom under the job's SLURM memory request (MB): ``SLURM_MEM_PER_NODE``, else
     ``SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE``, minus ``used_bytes``. ``None`` outside SLURM."""
@@ -180,3 +199,17 @@ def auto_device_headroom(total_bytes: int, peak_reserved_bytes: int) -> int:
     total minus the allocator's peak *reserved* memory (allocated + cached + fragmentation) minus
     :func:`device_margin`."""
     return max(0, total_bytes - peak_reserved_bytes - device_margin(total_bytes))
+
+
+def measured_device_headroom(total_bytes: int, peak_reserved_bytes: int, reserved_bytes: int,
+                             available_bytes: int) -> int:
+    """The accelerator bytes a cache may take after a measured step: :func:`auto_device_headroom`, less the
+    memory in use outside the caching allocator (``total - available - reserved`` now: the CUDA context,
+    NCCL's communicator buffers, other processes), which the allocator's peak cannot see."""
+    outside = max(0, total_bytes - available_bytes - reserved_bytes)
+    return max(0, auto_device_headroom(total_bytes, peak_reserved_bytes) - outside)
+
+
+def node_resident_bytes(rss_by_rank: list[int], node_of_rank: list[str] | tuple[str, ...], node: str) -> int:
+    """Resident memory of every rank on ``node`` (SLURM's limit is per node and reports no usage)."""
+    return sum(rss for rss, n in zip(rss_by_rank, node_of_rank) if n == node)

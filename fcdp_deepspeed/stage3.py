@@ -18,6 +18,12 @@ Invalidation events (every path that writes a parameter's bit16 value):
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
+``fcdp.param_compression``'s references (``compress/reference.py``) are optimizer state: ``state_dict``
+adds them to each rank's optimizer state (the ``fcdp_compression`` envelope, ``compress/state.py``) and
+``load_state_dict`` restores them (a checkpoint without them, or of another codec or layout, starts
+them empty); ``_restore_from_bit16_weights`` (a load of the module weights alone, ``refresh_fp32_params``)
+drops them. Optimizer steps keep them; saves and 16-bit consolidation (inside checkpoint events) keep them.
+
 Gradients (``grad_reduce``/``grad_accumulation``, see ``grads/``): DeepSpeed's bucket reduction
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
@@ -34,8 +40,9 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import device, ds_compat, grads, strict_device
-from fcdp_deepspeed.compress import grads as compress_grads, state as compress_state
+from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
+from fcdp_deepspeed.compress import grads as compress_grads
+from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -111,8 +118,11 @@ class CompressionSteps:
     """``FCDPStage3``'s compression state around DeepSpeed's step and checkpoints (a mixin before
     ``CountedStage3``): error-feedback residuals are committed when a step is applied and dropped otherwise
     ([Note: residual commit] in ``compress/residual.py``), and saved/loaded in the ``fcdp_compression``
-    envelope of the optimizer's state dict ([Note: the compression envelope] in ``compress/state.py``)."""
+    envelope of the optimizer's state dict ([Note: the envelope] in ``compress/state.py``), with the parameter
+    references and the events that drop them (``fcdp.param_compression``)."""
 
+    fcdp: FCDPRuntime | None
+    fcdp_state: CompressionState | None
     fcdp_grads: "grads.GradReducer | None"
     #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
     #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
@@ -139,6 +149,11 @@ class CompressionSteps:
         self._fcdp_stepping = False
         super()._post_step(timer_names)
 
+    def checkpoint_event_prologue(self) -> None:
+        super().checkpoint_event_prologue()
+        if self.fcdp is not None:
+            self.fcdp.checkpoint_event(inside=True)
+
     def checkpoint_event_epilogue(self) -> None:
         compressor = self._fcdp_compressor()
         if compressor is not None:
@@ -146,19 +161,25 @@ class CompressionSteps:
         super().checkpoint_event_epilogue()
 
     def state_dict(self):
-        out = super().state_dict()
-        envelope = compress_state.save_envelope(self)
-        if envelope:
-            out[compress_state.ENVELOPE_KEY] = envelope
-        return out
+        state = super().state_dict()
+        return self.fcdp_state.save_into(state) if self.fcdp_state is not None else state
 
-    def load_state_dict(self, state_dict_list, *args, **kwargs):
-        result = super().load_state_dict(state_dict_list, *args, **kwargs)
-        load_states = kwargs.get("load_optimizer_states", args[0] if args else True)
-        universal = kwargs.get("checkpoint_folder", args[2] if len(args) > 2 else None)
-        mine = None if universal or not load_states else state_dict_list[dist.get_rank(group=self.dp_process_group)]
-        compress_state.load_envelope(self, None if mine is None else mine.get(compress_state.ENVELOPE_KEY))
-        return result
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                        checkpoint_folder=None, load_serial=None, param_shapes=None):
+        # this rank's own file (DeepSpeed deletes it from the list under load_serial); universal or without the
+        # optimizer states: none of ours (every part starts from nothing: exact references, zero residuals)
+        mine = None if checkpoint_folder or not load_optimizer_states else \
+            state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
+                                load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
+                                load_serial=load_serial, param_shapes=param_shapes)
+        if self.fcdp_state is not None:
+            self.fcdp_state.load_from(mine)  # collective (agreement), as the load itself
+
+    def _restore_from_bit16_weights(self) -> None:
+        super()._restore_from_bit16_weights()
+        if self.fcdp is not None:
+            self.fcdp.weights_rewritten("weights restored")
 
 
 class FCDPStage3(CompressionSteps, CountedStage3):
@@ -172,6 +193,8 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
         self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
+        #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
+        self.fcdp_state: CompressionState | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -184,15 +207,21 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
+        self.fcdp_state = CompressionState()
+        if self.fcdp.compression_state is not None:
+            self.fcdp_state.register("params", self.fcdp.compression_state)
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
-            accumulation_blockers=grad_accumulation_blockers(ds_config))
-        compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads,
-                                         [p for p in params if p.requires_grad], self.communication_data_type,
-                                         lambda: self.loss_scale)
+            accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
+        announce.announce(self.fcdp, self.fcdp_grad_plan)
+        compressor = compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads,
+                                                      [p for p in params if p.requires_grad],
+                                                      self.communication_data_type, lambda: self.loss_scale)
+        if compressor is not None:
+            self.fcdp_state.register("grads", compress_grads.GradState(compressor))
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
@@ -303,6 +332,8 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         if self.fcdp_grads is not None:
             self.fcdp_grads.new_window(discard=True)
         super().checkpoint_event_epilogue()
+        if self.fcdp is not None:
+            self.fcdp.checkpoint_event(inside=False)
 
 
 class CountedZeROOffload(DeepSpeedZeRoOffload):
@@ -345,6 +376,7 @@ class FCDPZeROOffload(CountedZeROOffload):
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
     def checkpoint_event_prologue(self) -> None:

@@ -410,13 +410,41 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
-def format_stats_line(stats: dict) -> str:
-    """One log line for rank 0 every ``steps_per_print`` steps."""
-    lookups = stats["cache_hits"] + stats["cache_misses"]
-    hit_rate = stats["cache_hits"] / lookups if lookups else 0.0
-    return (f"[fcdp] step {stats['optimizer_steps']}: allgather inter-node {fmt_bytes(stats['inter_node_allgather_bytes'])} "
-            f"intra-node {fmt_bytes(stats['intra_node_allgather_bytes'])}, grad reduce inter-node "
-            f"{fmt_bytes(stats['inter_node_grad_reduce_bytes'])} intra-node {fmt_bytes(stats['intra_node_grad_reduce_bytes'])}, "
-            f"cache hit rate {hit_rate:.1%} "
-            f"({stats['cache_hits']} hits / {stats['cache_misses']} misses), cache host "
-            f"{fmt_bytes(stats['host_cache_bytes'])} device {fmt_bytes(stats['device_cache_bytes'])}")
+#: Counters the ``[fcdp]`` line reports per optimizer step of its interval (differences of running totals).
+INTERVAL_KEYS = ("inter_node_allgather_bytes", "inter_node_grad_reduce_bytes", "intra_node_allgather_bytes",
+                 "intra_node_grad_reduce_bytes", "cache_hits", "cache_misses")
+
+
+def format_stats_line(stats: dict, previous: Optional[dict] = None) -> str:
+    """Rank 0's line every ``fcdp.log_interval`` steps: the interval since ``previous`` (the stats of the
+    last line, or none: since the engine was built), per optimizer step, and the cache's memory now.
+
+    [Note: per interval] The counters are running totals since the engine was created; printed as they
+    are they read like per-step figures and grow without bound, so the line reports differences."""
+    prev = previous or {}
+    first = int(prev.get("optimizer_steps", 0)) + 1
+    last = int(stats["optimizer_steps"])
+    steps = max(1, last - first + 1)
+    d = {k: (stats.get(k, 0) - prev.get(k, 0)) for k in INTERVAL_KEYS}
+    per = {k: v / steps for k, v in d.items()}
+    lookups = d["cache_hits"] + d["cache_misses"]
+    rate = f"{d['cache_hits'] / lookups:.1%}" if lookups else "n/a (no lookups)"
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    slots = stats.get("host_slot_bytes", 0) + stats.get("device_slot_bytes", 0)
+    valid = stats.get("host_cache_bytes", 0) + stats.get("device_cache_bytes", 0)
+    return (f"[fcdp] step {last}: per optimizer step over {span}: inter-node all-gather "
+            f"{fmt_bytes(per['inter_node_allgather_bytes'])}, grad reduce {fmt_bytes(per['inter_node_grad_reduce_bytes'])}; "
+            f"intra-node all-gather {fmt_bytes(per['intra_node_allgather_bytes'])}, grad reduce "
+            f"{fmt_bytes(per['intra_node_grad_reduce_bytes'])} (bytes this rank received); cache hit rate {rate} "
+            f"({per['cache_hits']:g} hits, {per['cache_misses']:g} misses per step); cache slots {fmt_bytes(slots)} "
+            f"per rank (host {fmt_bytes(stats.get('host_slot_bytes', 0))}, device "
+            f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}" + _compression_part(stats))
+
+
+def _compression_part(stats: dict) -> str:
+    """The log line's ``fcdp.param_compression`` part (empty when off)."""
+    if stats.get("param_compression", "off") == "off":
+        return ""
+    return (f", param compression {stats['param_compression']}: inter-node {fmt_bytes(stats['inter_node_param_compressed_bytes'])}"
+            f" compressed / {fmt_bytes(stats['inter_node_param_exact_bytes'])} exact, drift max "
+            f"{stats['param_drift_max_all_ranks']:.2e} mean {stats['param_drift_mean_all_ranks']:.2e} (all ranks)")

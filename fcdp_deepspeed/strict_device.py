@@ -24,10 +24,8 @@ cannot show up in a CPU test. The strict door tells the two memories apart:
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, Optional
 
 import torch
@@ -37,8 +35,10 @@ from torch.utils._pytree import tree_flatten
 import deepspeed.comm.comm as _comm_module
 from deepspeed.accelerator import get_accelerator
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, strict_streams
 from fcdp_deepspeed.config import FCDPConfigError
+from fcdp_deepspeed.strict_log import LOG, SyncEvent, SyncLog, call_site  # noqa: F401  (re-exported)
+from fcdp_deepspeed.strict_streams import MODEL, FakeEvent, FakeStream, StreamOrderError  # noqa: F401
 
 ENV = "FCDP_STRICT_DEVICE"
 
@@ -49,61 +49,6 @@ class DeviceMismatchError(RuntimeError):
 
 class HostTensorInCollective(RuntimeError):
     """A host tensor was handed to a collective of an accelerator-backend (NCCL) group."""
-
-
-# -- the log of blocking operations -----------------------------------------------------------------
-_SKIP = (os.sep + "torch" + os.sep, "strict_device.py", os.sep + "device.py", "contextlib.py", "threading.py",
-         os.sep + "comm" + os.sep + "comm.py", os.sep + "comm" + os.sep + "torch.py", "fcdp_deepspeed" + os.sep + "stats.py",
-         "deepspeed" + os.sep + "utils" + os.sep + "nvtx.py")
-
-
-def call_site() -> tuple[str, str]:
-    """``(owner, "file:line function")`` of the innermost frame outside torch, the door and comm wrappers."""
-    frame = sys._getframe(1)
-    while frame is not None and any(s in frame.f_code.co_filename for s in _SKIP):
-        frame = frame.f_back
-    if frame is None:
-        return "other", "?"
-    path = frame.f_code.co_filename
-    owner = "other"
-    if "fcdp_deepspeed" + os.sep in path:
-        user = any(os.sep + d + os.sep in path for d in ("tools", "integrations"))
-        owner = "user" if user else "fcdp"
-    elif os.sep + "deepspeed" + os.sep in path:
-        owner = "deepspeed"
-    elif os.sep + "tests" + os.sep in path:
-        owner = "user"
-    return owner, f"{path.rsplit(os.sep, 2)[-2]}/{os.path.basename(path)}:{frame.f_lineno} {frame.f_code.co_name}"
-
-
-@dataclass(frozen=True)
-class SyncEvent:
-    kind: str
-    owner: str
-    site: str
-
-
-class SyncLog:
-    """Blocking host/accelerator operations, in order (thread-safe)."""
-
-    def __init__(self) -> None:
-        self.events: list[SyncEvent] = []
-        self._lock = threading.Lock()
-
-    def record(self, kind: str) -> None:
-        owner, site = call_site()
-        with self._lock:
-            self.events.append(SyncEvent(kind, owner, site))
-
-    def mark(self) -> int:
-        return len(self.events)
-
-    def since(self, mark: int) -> list[SyncEvent]:
-        with self._lock:
-            return list(self.events[mark:])
-
-
-LOG = SyncLog()
 
 
 # -- host memory ------------------------------------------------------------------------------------
@@ -147,39 +92,14 @@ def _is_host(t: Any) -> bool:
     return isinstance(t, HostTensor)
 
 
-# -- counting fakes for streams and events ------------------------------------------------------------
-class FakeEvent:
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        LOG.record("event_synchronize")
-
-
-class FakeStream:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        LOG.record("stream_synchronize")
-
-
 class StrictDoor(device.Door):
-    """The door of strict device mode (CPU accelerator only): see [Note: why a strict door]."""
+    """The door of strict device mode (CPU accelerator only): see [Note: why a strict door]; streams, events
+    and every access of door memory follow ``strict_streams`` ([Note: the stream-order model])."""
 
     strict = True
 
     def __init__(self) -> None:
-        self.default_stream = FakeStream("default")
+        self.default_stream = MODEL.default
 
     def host_is_accel(self) -> bool:
         return False
@@ -194,20 +114,31 @@ class StrictDoor(device.Door):
         return _is_host(t) and t.untyped_storage().data_ptr() in _PINNED
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype).as_subclass(HostTensor)
+        with strict_streams.paused():
+            t = torch.empty(numel, dtype=dtype).as_subclass(HostTensor)
+        MODEL.register(t, "pageable host memory", host=True)
+        return t
 
     def pin_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = self.host_empty(numel, dtype)
         _PINNED.add(t.untyped_storage().data_ptr())
+        MODEL.label(t, "pinned host memory")
         return t
 
-    def _copy(self, out: torch.Tensor, src: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-        if not self.is_pinned(host):
+    def accel_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with strict_streams.paused():
+            t = torch.empty(numel, dtype=dtype)
+        MODEL.register(t, "door accelerator memory", free_check=True)
+        return t
+
+    def _copy(self, out: torch.Tensor, src: torch.Tensor, host: torch.Tensor, blocking: bool = False) -> torch.Tensor:
+        pageable = not self.is_pinned(host)
+        if pageable:
             LOG.record("blocking_copy_pageable")
         _LOCAL.in_door = True
         try:
             with _raw():
-                out.copy_(src)
+                strict_streams.door_copy(out, src, blocking=blocking or pageable)
         finally:
             _LOCAL.in_door = False
         return out
@@ -217,11 +148,12 @@ class StrictDoor(device.Door):
             raise DeviceMismatchError(f"fcdp strict device: {call_site()[1]}: to_accel into host memory")
         if not _is_host(t):  # already accelerator memory
             return t if out is None else out.copy_(t)
-        with _raw():
-            out = torch.empty(t.shape, dtype=t.dtype) if out is None else out
+        if out is None:
+            out = self.accel_empty(t.numel(), t.dtype).view(t.shape)
+            MODEL.label(out, "accelerator copy of host memory")
         if not non_blocking:
             LOG.record("blocking_copy")
-        return self._copy(out, t, t)
+        return self._copy(out, t, t, blocking=not non_blocking)
 
     def to_host(self, t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         out = self.pin_empty(t.numel(), t.dtype).view(t.shape) if out is None else out
@@ -229,59 +161,86 @@ class StrictDoor(device.Door):
             raise DeviceMismatchError(f"fcdp strict device: {call_site()[1]}: to_host into accelerator memory")
         return self._copy(out, t, out)
 
-    def small_to_accel(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype)
+    def small_to_accel(self, values: list, dtype: torch.dtype, where: Optional[torch.device] = None) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        MODEL.wait(MODEL.host, MODEL.current().snapshot())  # a blocking copy: done when it returns
+        return t
 
     def small_to_host(self, t: torch.Tensor) -> list:
         LOG.record("control_read")
+        MODEL.wait(MODEL.host, MODEL.current().snapshot())  # a blocking read: the host waits for the stream
         with _raw():
             return t.tolist()
 
+    # -- streams and events (strict_streams) ---------------------------------------------------------
     def current_stream(self) -> Any:
-        return getattr(_LOCAL, "stream", None) or self.default_stream
-
-    @contextmanager
-    def _on(self, s: FakeStream) -> Iterator[None]:
-        previous, _LOCAL.stream = getattr(_LOCAL, "stream", None), s
-        try:
-            yield
-        finally:
-            _LOCAL.stream = previous
+        return MODEL.current()
 
     def stream(self, s: Any) -> ContextManager:
-        return self._on(s) if isinstance(s, FakeStream) else nullcontext()
+        return MODEL.on(s, fcdp=True) if isinstance(s, FakeStream) else nullcontext()
+
+    def side_stream(self, name: str) -> Any:
+        return MODEL.side(name)
 
     def record_stream(self, t: torch.Tensor) -> None:
-        pass
+        MODEL.record_stream(t, MODEL.current())
 
     def record_event(self) -> Any:
-        return FakeEvent()
+        return MODEL.current().record_event()
 
     def wait_event(self, event: Any) -> None:
         if event is not None and not isinstance(event, FakeEvent):
             raise TypeError(f"fcdp strict device: {call_site()[1]} waits on {event!r}, not an event of the door")
+        MODEL.current().wait_event(event)
 
     def wait_stream(self, s: Any) -> None:
-        pass
+        if isinstance(s, FakeStream):
+            MODEL.current().wait_stream(s)
 
     def host_wait_stream(self, s: Any) -> None:
         if s is not None:
             s.synchronize()
+
+    def drop_host(self, t: torch.Tensor) -> None:
+        MODEL.drop_host(t)
 
 
 # -- collectives ------------------------------------------------------------------------------------
 _GUARDED = "_fcdp_strict_guard"
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_gather_coalesced", "reduce_scatter_tensor",
                 "reduce_scatter", "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "broadcast",
-                "all_to_all_single", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+                "all_to_all_single", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv", "all_gather_base")
+
+
+#: Parameters of ``deepspeed.comm``'s backend collectives (deepspeed/comm/torch.py; its decorators hide them).
+_PARAMS = {
+    "all_reduce": ("tensor", "op", "group", "async_op"), "inference_all_reduce": ("tensor", "op", "group"),
+    "all_reduce_coalesced": ("tensors", "op", "group", "async_op"), "reduce": ("tensor", "dst", "op", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op"), "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_base": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_coalesced": ("output_tensors", "input_tensors", "group", "async_op"),
+    "reduce_scatter_tensor": ("output_tensor", "input_tensor", "op", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    "send": ("tensor", "dst", "group", "tag"), "recv": ("tensor", "src", "group", "tag"),
+    "isend": ("tensor", "dst", "group", "tag"), "irecv": ("tensor", "src", "group", "tag"),
+    "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
+    "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
+}
 
 
 def _guard(method: str, original: Any) -> Any:
+    names = _PARAMS[method]
+
     def guarded(*args, **kwargs):
         if any(_is_host(t) for t in _tensors(args, kwargs)):
             raise HostTensorInCollective(f"fcdp: {call_site()[1]} handed a host tensor to {method} on an "
                                          f"accelerator-backend group")
-        return original(*args, **kwargs)
+        bound = {**dict(zip(names, args)), **kwargs}
+        if method in ("isend", "irecv"):
+            bound["async_op"] = True
+        return strict_streams.modeled_collective(method, bound, lambda: original(*args, **kwargs))
 
     guarded.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(guarded, _GUARDED, True)
@@ -335,7 +294,7 @@ def counting() -> Iterator[SyncLog]:
         with _HostTraffic():
             yield LOG
     finally:
-        del acc.synchronize
+        acc.synchronize = original
 
 
 def configure_from_env() -> device.Door:
@@ -346,6 +305,9 @@ def configure_from_env() -> device.Door:
         raise FCDPConfigError(f"{ENV}=1 is a test mode of the CPU accelerator (DS_ACCELERATOR=cpu); unset it on "
                               f"{get_accelerator().device_name()}")
     if not device.current().strict:
-        device.install(StrictDoor())
+        door = StrictDoor()
+        device.install(door)
+        strict_streams.install_deepspeed_streams(door.current_stream)
+        strict_streams.track_this_thread()
     guard_collectives()
     return device.current()

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 #: DeepSpeed releases the hooks were verified against (parity and traffic tests).
 TESTED_DEEPSPEED_VERSIONS = ("0.16.9", "0.17.6", "0.18.9", "0.19.8")
+#: The torch release CI runs with (constraints.txt pins it); the package declares ``torch>=2.0``.
+TESTED_TORCH_VERSION = "2.13.0"
 #: Set to 1 to run on an untested DeepSpeed release anyway (at your own risk).
 ALLOW_UNTESTED_ENV = "FCDP_ALLOW_UNTESTED_DEEPSPEED"
 
@@ -29,9 +31,34 @@ def version_is_tested(version: str, env: Optional[Mapping[str, str]] = None) -> 
     return version.split("+")[0] in TESTED_DEEPSPEED_VERSIONS or allow
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.17.6+abc"`` -> ``(0, 17, 6)`` (non-numeric parts end the tuple)."""
+    out = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def deepspeed_requirement() -> str:
+    """The range ``pyproject.toml`` declares: from the oldest tested release to the next minor after the
+    newest. pip keeps any installed release in it; the gate then admits only the tested ones."""
+    newest = _release(TESTED_DEEPSPEED_VERSIONS[-1])
+    return f"deepspeed>={TESTED_DEEPSPEED_VERSIONS[0]},<{newest[0]}.{newest[1] + 1}"
+
+
+def suggested_release(version: str) -> str:
+    """The tested release to install instead of ``version``: the same minor's if there is one, else the newest."""
+    minor = _release(version)[:2]
+    same = [v for v in TESTED_DEEPSPEED_VERSIONS if _release(v)[:2] == minor]
+    return same[-1] if same else TESTED_DEEPSPEED_VERSIONS[-1]
+
+
 def untested_message(version: str) -> str:
     return (f"fcdp-deepspeed was tested with deepspeed=={', '.join(TESTED_DEEPSPEED_VERSIONS)} but "
-            f"deepspeed=={version} is installed. Fix: `pip install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}`, "
+            f"deepspeed=={version} is installed. Fix: `pip install deepspeed=={suggested_release(version)}`, "
             f"or set {ALLOW_UNTESTED_ENV}=1 to run untested (verify parity with `\"verify\": true`).")
 
 

@@ -3,6 +3,13 @@
 # (tests/test_release_smoke.py) on 2 nodes x 2 gloo ranks.
 # Usage: bash scripts/check_deepspeed_release.sh VERSION [pytest args...]    e.g. 0.17.6
 # Env: FCDP_KEEP_VENV=1 reuses an existing .venv-ds-VERSION instead of rebuilding it.
+#
+# [Note: torch from the suite's venv] Where the main suite's .venv exists with the pinned torch (CI runs
+# scripts/test.sh first), the release venv sees it through a .pth path line instead of installing torch
+# again (~20 s of unpacking per release): the same torch==2.13.0, and the release's own DeepSpeed (and
+# whatever else it needs in other versions) installed into the release venv, ahead of the suite's on
+# sys.path. pip installs only what the suite's venv does not already satisfy, as it would into a user's
+# environment. Without a usable .venv it installs torch itself, as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:?usage: check_deepspeed_release.sh VERSION [pytest args...]}"
@@ -11,11 +18,21 @@ venv=".venv-ds-$version"
 start=$SECONDS
 if [[ "${FCDP_KEEP_VENV:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
     rm -rf "$venv"
-    python3 -m venv "$venv"
     py="$venv/bin/python"
     pip_q() { nice -n 5 "$py" -m pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
-    # torch first, exactly pinned: this pin is a CPU build from local disk; a looser spec pulls CUDA.
-    pip_q "torch==2.13.0"
+    suite_site=""
+    if [[ -x .venv/bin/python ]] && .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '2.13.0')" 2>/dev/null; then
+        suite_site="$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
+    fi
+    if [[ -n "$suite_site" ]]; then
+        python3 -m venv --without-pip "$venv"
+        "$py" -c "import sysconfig, sys; open(sysconfig.get_paths()['purelib'] + '/_suite_env.pth', 'w').write(sys.argv[1] + '\n')" "$suite_site"
+        echo "torch (and pip, pytest) from the suite's venv: $suite_site"
+    else
+        python3 -m venv "$venv"
+        # torch first, exactly pinned: this pin is a CPU build from local disk; a looser spec pulls CUDA.
+        pip_q "torch==2.13.0"
+    fi
     # The constraint keeps this DeepSpeed (and torch) when pip resolves the rest.
     constraints="$venv/constraints.txt"
     printf 'deepspeed==%s\ntorch==2.13.0\n' "$version" > "$constraints"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install fcdp-deepspeed with the given extras, pinned versions first.
+# Create .venv (if missing) and install fcdp-deepspeed with the given extras, with the exact releases of
+# constraints.txt (the package itself declares ranges: pyproject.toml).
 # Usage: source scripts/setup_env.sh [extras]     e.g. source scripts/setup_env.sh test,hf
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,7 +9,8 @@ python3 -m venv .venv
 # shellcheck disable=SC1091
 source .venv/bin/activate
 python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-# torch first, exactly pinned: this pin is a CPU build on the project's machines; looser specs pull CUDA.
-python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-python -m pip install -q -e ".${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" || true
+# torch first, exactly pinned (constraints.txt): this pin is a CPU build on the project's machines, where
+# a looser spec resolved on its own pulls a CUDA build.
+python -m pip install -q -c constraints.txt torch 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import fcdp_deepspeed, deepspeed, torch; print('fcdp-deepspeed', fcdp_deepspeed.__version__, '| deepspeed', deepspeed.__version__, '| torch', torch.__version__)"

@@ -36,3 +36,21 @@ def run_ranks(worker: str, world_size: int = 4, timeout: float = 240, **kwargs):
 @pytest.fixture
 def ranks():
     return run_ranks
+
+
+@pytest.fixture(scope="session")
+def dists(tmp_path_factory):
+    """The sdist and the wheel built from it (``python -m build``, PEP 517 with build isolation, as pip and a
+    release do), once per session: ``{"sdist": Path, "wheel": Path, "seconds": float}``."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("dist")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(root)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"python -m build failed (pip install build?):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return {"sdist": next(out.glob("fcdp_deepspeed-*.tar.gz")), "wheel": next(out.glob("fcdp_deepspeed-*.whl")),
+            "seconds": round(time.monotonic() - t0, 1)}

@@ -3,6 +3,8 @@ runs through ``deepspeed.initialize`` (HF Trainer: tests/test_hf.py), with FCDP 
 startup hook alone. The fresh-venv installs of that hook: tests/test_autoload_install.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import run_ranks
@@ -23,9 +25,11 @@ def test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize():
                                            ("budget", "fcdp.host_budget")])
 def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
     res = run_ranks("activation:nothing_cached", 4, case=case)
-    warnings = res[0]["warnings"]
+    on = [w for w in res[0]["warnings"] if w.startswith("fcdp: ON for this engine")]
+    warnings = [w for w in res[0]["warnings"] if w not in on]
     assert len(warnings) == 1, warnings
     assert "the cache holds no parameter" in warnings[0] and setting in warnings[0], warnings[0]
+    assert len(on) == 1 and re.search(r"; 0 of \d+ parameters cached", on[0]), on  # the engine's one line says so too
     for r in res:
         assert r["optimizer"] == "FCDPStage3" and r["stats"]["cached_params"] == 0 and r["stats"]["cache_hits"] == 0
         assert not r["warnings"] or r is res[0]

@@ -1,13 +1,16 @@
-"""Config-key-only activation, the hard way: a fresh venv, this package pip-installed as a wheel and
-then editable (PEP 660), and the unmodified ``examples/train_toy.py`` (no FCDP code) launched by
-torchrun and by the deepspeed launcher with the block on and off. FCDP's optimizer class must be
-built exactly when the block is enabled, in every rank, and a process that never imports DeepSpeed
-must not import torch, DeepSpeed or transformers (of this package, only the startup modules).
+"""Config-key-only activation, the hard way: this package pip-installed into an environment that already
+has torch and DeepSpeed, as a wheel and then editable (PEP 660), and the unmodified ``examples/train_toy.py``
+(no FCDP code) launched by torchrun and by the deepspeed launcher with the block on and off. FCDP's
+optimizer class must be built exactly when the block is enabled, in every rank, and a process that never
+imports DeepSpeed must not import torch, DeepSpeed or transformers (of this package, only the startup modules).
 
-One venv per test session (module-scoped fixture): ``pip install torch==2.13.0`` (the exact pin
-resolves to a local CPU wheel), then the package's wheel with its dependencies, then ``pip install
---no-deps -e .`` over it. The launcher runs cover every pair of (install, launcher, block on/off) in
-four launches (see the note at the launcher test).
+[Note: the user's environment] The fresh venv (no pip of its own) sees the test suite's venv through a
+``.pth`` line, the way a user's environment already holds torch and DeepSpeed: pip then installs the wheel
+(from the session's ``dists`` fixture, built once) and nothing else (checked with ``--report``), and the ranks
+import the suite's torch and DeepSpeed from the same paths, so DeepSpeed's CPU comm op built for the suite
+(``TORCH_EXTENSIONS_DIR``, as ``scripts/test.sh`` sets it) loads without a rebuild. A ``.pth`` *path* line
+adds the directory to ``sys.path`` only: the suite's own startup and editable-finder ``.pth`` files in it do
+not run. Before this, the test installed torch and DeepSpeed into the venv and JIT-built the op itself.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 import venv
 from pathlib import Path
@@ -22,12 +26,12 @@ from pathlib import Path
 import pytest
 
 from fcdp_deepspeed.tools.launch import free_port
+from fcdp_deepspeed.version import __version__
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_toy.py"
-TORCH_PIN = "torch==2.13.0"
 HEAVY = ("torch", "deepspeed", "transformers", "numpy")
 #: What the startup hook loads of this package: its lazy ``__init__`` and standard-library-only modules.
 STARTUP_MODULES = ["fcdp_deepspeed", "fcdp_deepspeed.autoload", "fcdp_deepspeed.integrations",
@@ -35,7 +39,7 @@ STARTUP_MODULES = ["fcdp_deepspeed", "fcdp_deepspeed.autoload", "fcdp_deepspeed.
 KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 
-def _run(cmd: list, env: dict, timeout: float = 600, cwd: Path | None = None) -> str:
+def _run(cmd: list, env: dict, timeout: float = 600, cwd: Path | None = None, check: bool = True) -> str:
     proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=str(cwd) if cwd else None, start_new_session=True)  # a timeout kills launcher and ranks
     try:
@@ -44,21 +48,33 @@ def _run(cmd: list, env: dict, timeout: float = 600, cwd: Path | None = None) ->
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{out[-4000:]}")
     return out
 
 
-class FreshVenv:
-    """A venv outside the repository with its own torch extensions dir (the JIT op is built per venv)."""
+def suite_extensions_dir() -> str:
+    """Where the suite's DeepSpeed JIT ops live (``scripts/test.sh`` sets it; else the same default)."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(sys.prefix) / "torch_extensions")
+
+
+class UserEnv:
+    """A venv outside the repository that already sees torch and DeepSpeed (the suite's, see the module note)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        t0 = time.monotonic()
+        venv.create(root / "venv", with_pip=False, symlinks=True)
         self.python = root / "venv" / "bin" / "python"
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "FCDP_AUTOLOAD")}
-        self.env.update(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning",
-                        TORCH_EXTENSIONS_DIR=str(root / "torch_extensions"), PYTHONDONTWRITEBYTECODE="1")
-        self.timings: dict[str, float] = {}
+        # [Note: the suite's ninja first] ninja 1.11 and 1.13 hash build commands differently, so an op built
+        # with one is rebuilt by the other: the ranks use the ninja the suite built its op with.
+        path = os.pathsep.join([str(Path(sys.executable).parent), self.env.get("PATH", "")])
+        self.env.update(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning", PATH=path,
+                        TORCH_EXTENSIONS_DIR=suite_extensions_dir(), PYTHONDONTWRITEBYTECODE="1")
+        self.site = Path(self.python_c("import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+        (self.site / "_existing_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        self.timings: dict[str, float] = {"venv": round(time.monotonic() - t0, 1)}
 
     def timed(self, name: str, cmd: list, **kw) -> str:
         t0 = time.monotonic()
@@ -72,35 +88,31 @@ class FreshVenv:
     def python_c(self, code: str, **env: str) -> str:
         return _run([self.python, "-c", code], dict(self.env, **env), cwd=self.root)
 
-    def site_packages(self) -> Path:
-        return Path(self.python_c("import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
-
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory) -> FreshVenv:
-    v = FreshVenv(tmp_path_factory.mktemp("fresh"))
-    t0 = time.monotonic()
-    venv.create(v.root / "venv", with_pip=True)
-    v.timings["venv"] = round(time.monotonic() - t0, 1)
-    v.pip("torch", TORCH_PIN)
-    v.timed("build wheel", [v.python, "-m", "pip", "wheel", "-q", "--no-deps", "-w", v.root / "dist", ROOT], cwd=v.root)
-    wheel = next((v.root / "dist").glob("fcdp_deepspeed-*.whl"))
-    v.pip("install wheel (deepspeed and deps)", str(wheel))
-    # DeepSpeed's CPU comm op, built once here rather than raced by the first launch's ranks
-    v.timed("jit op", [v.python, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"])
+def fresh(tmp_path_factory, dists) -> UserEnv:
+    v = UserEnv(tmp_path_factory.mktemp("fresh"))
+    v.timings["build sdist + wheel (session)"] = dists["seconds"]
+    report = v.root / "install.json"
+    # offline: everything the wheel needs is already installed, so pip must not need an index
+    v.pip("install wheel", "--no-index", "--report", str(report), str(dists["wheel"]))
+    installed = [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.loads(report.read_text())["install"]]
+    assert installed == [("fcdp-deepspeed", __version__)], installed  # torch, DeepSpeed and the rest kept
+    # DeepSpeed's CPU comm op: the suite's build (same torch, same paths), or built once here for both
+    v.timed("shm op (the suite's)", [v.python, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"])
     yield v
     print(f"\nfresh-venv timings (s): {v.timings}")
 
 
 @pytest.fixture(scope="module", params=["wheel", "editable"])
-def installed(request, fresh: FreshVenv) -> str:
+def installed(request, fresh: UserEnv) -> str:
     if request.param == "editable":
         fresh.pip("install editable", "--no-deps", "-e", str(ROOT))
     return request.param
 
 
 def test_startup_hook_is_installed_and_cheap(fresh, installed):
-    site = fresh.site_packages()
+    site = fresh.site
     pth = site / "fcdp_deepspeed_autoload.pth"
     assert pth.read_text().strip() == "import fcdp_deepspeed_autoload; fcdp_deepspeed_autoload.startup()"
     record = next(site.glob("fcdp_deepspeed-*.dist-info")) / "RECORD"
@@ -120,8 +132,35 @@ def test_importing_deepspeed_installs_fcdp_unless_opted_out(fresh, installed):
     assert "INSTALLED False" in fresh.python_c(code, FCDP_AUTOLOAD="0")
 
 
+def test_console_script_and_doctor_from_the_wheel(fresh, installed):
+    """``fcdp --version`` and ``fcdp doctor`` as installed (console script): everything ok for a shipped config."""
+    if installed != "wheel":
+        pytest.skip("the wheel's console script; the editable install replaces it with the same entry point")
+    fcdp = fresh.python.parent / "fcdp"
+    assert _run([fcdp, "--version"], fresh.env).strip() == f"fcdp-deepspeed {__version__}"
+    out = _run([fcdp, "doctor", ROOT / "configs" / "toy_fcdp.json", "--nodes", "2", "--ranks-per-node", "1"],
+               fresh.env, cwd=fresh.root)
+    assert "0 failed" in out and "startup file ran in this interpreter" in out and "plan for 2 nodes x 1" in out, out
+
+
+def test_doctor_names_a_target_install_without_the_startup_file(fresh, dists, tmp_path):
+    """``pip install --target`` + ``PYTHONPATH`` puts no startup file where Python runs it: DeepSpeed would
+    ignore the block. ``fcdp doctor`` says so and names the fix (exit status 1)."""
+    target = tmp_path / "target"
+    _run([fresh.python, "-m", "pip", "install", "-q", "--no-deps", "--target", target, dists["wheel"]], fresh.env)
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False, symlinks=True)
+    site = next((bare / "lib").glob("python3*/site-packages"))
+    (site / "_existing_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # torch, DeepSpeed, pip
+    env = dict(fresh.env, PYTHONPATH=str(target))
+    proc = subprocess.run([bare / "bin" / "python", "-m", "fcdp_deepspeed.tools.doctor"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL  startup  no fcdp_deepspeed_autoload.pth" in proc.stdout and "--target" in proc.stdout, proc.stdout
+
+
 def _config(tmp: Path, enabled: bool) -> Path:
-    cfg = json.loads("\n".join(line.split("//")[0] for line in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
+    cfg = json.loads((ROOT / "configs" / "toy_fcdp.json").read_text())  # strict JSON, as shipped
     if enabled:
         # two ranks on one machine are one node, where FCDP takes no memory: simulate 2 nodes x 1 so the cache runs
         cfg["fcdp"]["ranks_per_node"] = 1
@@ -135,9 +174,9 @@ def _config(tmp: Path, enabled: bool) -> Path:
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_unmodified_script_under_launcher(fresh, installed, launcher, tmp_path):
     """[Note: pairs, not the full product] Each launch costs a launcher and two ranks importing torch and
-    DeepSpeed in the fresh venv (~15 CPU s). Four launches cover every pair of (install, launcher, block):
-    the wheel with torchrun on and deepspeed off, the editable install with torchrun off and deepspeed on;
-    each install and each launcher runs the block both on and off."""
+    DeepSpeed (~15 CPU s). Four launches cover every pair of (install, launcher, block): the wheel with
+    torchrun on and deepspeed off, the editable install with torchrun off and deepspeed on; each install
+    and each launcher runs the block both on and off."""
     enabled = (installed == "wheel") == (launcher == "torchrun")
     assert "fcdp" not in SCRIPT.read_text().split('"""', 2)[2].split("try:")[0]  # no FCDP code before the report
     out = tmp_path / "result.json"
@@ -149,13 +188,16 @@ def test_unmodified_script_under_launcher(fresh, installed, launcher, tmp_path):
         cmd = [fresh.python, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", port, *args]
     t0 = time.monotonic()
     try:
-        _run(cmd, fresh.env, timeout=300, cwd=tmp_path)
+        log = _run(cmd, fresh.env, timeout=300, cwd=tmp_path)
     except AssertionError as err:  # gloo ranks can abort in teardown after writing the results
         if KNOWN_EXIT_ABORT not in str(err) or not out.exists():
             raise
+        log = str(err)
     fresh.timings[f"{installed} {launcher} {'on' if enabled else 'off'}"] = round(time.monotonic() - t0, 1)
     ranks = json.loads(out.read_text())
     assert len(ranks) == 2
     for r in ranks:
         assert r["optimizer"] == ("FCDPStage3" if enabled else "CountedStage3"), r
         assert (r["cache_hits"] > 0) == enabled, r
+    # "Is it on?": the one WARNING line of an FCDP engine, at DeepSpeed's default log level
+    assert (log.count("fcdp: ON for this engine: 2 nodes x 1 ranks per node") == 1) == enabled, log[-3000:]

@@ -99,6 +99,8 @@ def test_version_gate(monkeypatch):
     assert check_deepspeed_version("0.19.8") == "0.19.8"
     with pytest.raises(UnsupportedDeepSpeedVersion, match="deepspeed==0.19.8"):
         check_deepspeed_version("0.20.1")
+    with pytest.raises(UnsupportedDeepSpeedVersion, match=r"Fix: `pip install deepspeed==0.17.6`"):
+        check_deepspeed_version("0.17.0")  # in the declared range, untested: the same minor's tested release
     monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     assert check_deepspeed_version("0.20.1") == "0.20.1"
 
@@ -120,7 +122,10 @@ def test_hf_log_entries_from_stats():
     stats = {"inter_node_allgather_bytes": 10, "intra_node_allgather_bytes": 20, "host_cache_bytes": 3,
              "device_cache_bytes": 0, "cache_hits": 3, "cache_misses": 1, "other": 5}
     assert stats_for_logs(stats) == {"fcdp/inter_node_allgather_bytes": 10, "fcdp/intra_node_allgather_bytes": 20,
-                                     "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75}
+                                     "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75,
+                                     "fcdp/cache_hits": 3, "fcdp/cache_misses": 1}
+    from fcdp_deepspeed.monitor import monitor_events
+    assert {name for name, _, _ in monitor_events(stats, 1)} == set(stats_for_logs(stats))  # one set of names
     assert stats_for_logs({})["fcdp/cache_hit_rate"] == 0.0
 
     class Z3:
@@ -133,3 +138,49 @@ def test_hf_log_entries_from_stats():
     z3 = Z3()
     assert find_stage3(None, Wrapper(z3)) is z3 and find_stage3(Wrapper(Wrapper(z3))) is z3
     assert find_stage3(None, Wrapper(object())) is None
+
+
+@pytest.mark.parametrize("block, expected", [
+    # a union-typed key: one line with the fix, not pydantic's "valid integer ... valid string"
+    ({"host_budget": 0.5}, 'fcdp.host_budget = 0.5: a number is a count of bytes'),
+    ({"cache_devcie": "host"}, "unknown key fcdp.cache_devcie (did you mean cache_device?). Fix: rename it to cache_device."),
+    ({"cache_device": "hots"}, "fcdp.cache_device = 'hots': expected one of 'host', 'device', 'auto' (did you mean 'host'?)"),
+    ({"grad_reduce": "hier"}, "(did you mean 'hierarchical'?)"),
+    ({"verify": "yes"}, "fcdp.verify = 'yes': expected true, false or a sampling rate in (0, 1]"),
+    ({"ranks_per_node": "two"}, "fcdp.ranks_per_node = 'two': expected a whole number >= 1. Fix: set"),
+])
+def test_one_message_per_bad_key_with_the_fix(block, expected):
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, **block}})
+    msg = str(err.value)
+    assert expected in msg and "Fix:" in msg and "\n" not in msg, msg
+    assert "valid integer" not in msg and "valid string" not in msg and len(err.value.problems) == 1
+    if "host_budget" in block:
+        assert 'did you mean "50%"?' in msg
+
+
+def test_several_bad_keys_are_listed_one_per_line():
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"host_budget": 0.5, "grad_reduce": "hier", "foo": 1}})
+    assert len(err.value.problems) == 3 and str(err.value).count("\n  - fcdp.") + str(err.value).count("\n  - unknown") == 3
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"zero_optimization": {"stage": 3, "fcdp": {"enabled": True}}}, "belongs at the top level"),
+    ({"zero_optimization": {"stage": 3}, "FCDP": {"enabled": True}}, "top-level key 'FCDP' is not \"fcdp\""),
+    ({"zero_optimization": {"stage": 2}, "fcpd": {"enabled": True}}, "Fix: rename it to \"fcdp\""),
+])
+def test_misplaced_or_misspelled_block_is_refused_where_deepspeed_parses_configs(cfg, needle, tmp_path):
+    """Through the classes deepspeed.initialize and zero.Init(config_dict_or_path=...) parse configs with
+    (installed by the startup hook): FCDP's message instead of DeepSpeed's pydantic error or silence."""
+    import deepspeed
+
+    import fcdp_deepspeed
+    fcdp_deepspeed.install()
+    with pytest.raises(FCDPConfigError, match="Fix") as err:
+        deepspeed.DeepSpeedConfig(cfg)
+    assert needle in str(err.value)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(FCDPConfigError, match="Fix"):
+        deepspeed.zero.Init(config_dict_or_path=str(path))

@@ -8,36 +8,86 @@ state: from the second optimizer step on (the first fills the cache and builds t
 """
 from __future__ import annotations
 
+import gc
+import re
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from conftest import run_ranks
+from fcdp_deepspeed import device
 from fcdp_deepspeed.tools.launch import RankFailure
 
+#: DeepSpeed's throughput timer synchronizes the device at every forward and step from step 2 (on CUDA too):
+#: off, so FCDP's own stream orderings are what the stream-order model checks.
+TOP = {"timers": {"throughput": {"enabled": True, "synchronized": False}}}
 NODE = {"grad_accumulation": "node"}
 FLAT = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's gradient path (the defaults are auto)
 SCENARIOS = [
     # cache only, host slots (staged to the accelerator before every gather), flat gradients: bit-identical
-    dict(name="host_full_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, steps=3),
+    dict(name="host_full_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, steps=3, top=TOP),
     # host node buffer, last block gated off in the boundary micro-step: the flush path runs
-    dict(name="host_full_node_gated", fcdp={"cache_device": "host", **NODE}, grad_accum=4, gate={3}, steps=3),
-    dict(name="host_lora_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, lora_rank=2, steps=3),
-    dict(name="device_lora_node", fcdp={"cache_device": "device", **NODE}, grad_accum=2, lora_rank=2, steps=3),
-    dict(name="device_full_flat", fcdp={"cache_device": "device", **FLAT}, grad_accum=2, steps=3),
+    dict(name="host_full_node_gated", fcdp={"cache_device": "host", **NODE}, grad_accum=4, gate={3}, steps=3, top=TOP),
+    dict(name="host_lora_flat", fcdp={"cache_device": "host", **FLAT}, grad_accum=2, lora_rank=2, steps=3, top=TOP),
+    dict(name="device_lora_node", fcdp={"cache_device": "device", **NODE}, grad_accum=2, lora_rank=2, steps=3, top=TOP),
+    dict(name="device_full_flat", fcdp={"cache_device": "device", **FLAT}, grad_accum=2, steps=3, top=TOP),
+    # fcdp.param_compression: pinned host references copied to the accelerator and back on the gather stream
+    dict(name="host_full_int8", fcdp={"cache_device": "host", **FLAT, "param_compression": "int8"}, grad_accum=2,
+         steps=3, lossy=True, top=TOP),
     # grad_compression: host residuals (copied to the accelerator and back around each exchange), host node buffer,
     # the flush path compressed too
     dict(name="host_full_node_int8_gated", fcdp={"cache_device": "host", **NODE, "grad_compression": "int8"},
-         grad_accum=4, gate={3}, steps=3, rtol=2e-2, weights_rtol=0.1),
+         grad_accum=4, gate={3}, steps=3, rtol=2e-2, weights_rtol=0.1, top=TOP),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)
 
+#: Each of FCDP's stream orderings, removed for one step of a run (``workers/device_discipline.broken_ordering``),
+#: and what the stream-order model must then report: the offending access's site and the earlier one's.
+SITE = r"[\w/.]+:\d+ \w+ \(position \d+\)"
+ORDERINGS = {
+    # the staged copy (copy stream) waits for the fill's event (releasing stream)
+    "fill_ready": (r"read of pinned host memory on stream 'fcdp_param_h2d' at fcdp_deepspeed/cache.py:\d+ staged .* is "
+                   r"not ordered after its write on stream '(default|ds_allgather)' at fcdp_deepspeed/cache.py:\d+ _fill"),
+    # the all-gather stream waits for the staged copies' event
+    "staged_event": (r"read of accelerator copy of host memory on stream 'ds_allgather' at zero/partition_parameters.py:\d+ "
+                     r"_all_gather_dtype .* is not ordered after its write on stream 'fcdp_param_h2d' at "
+                     r"fcdp_deepspeed/cache.py:\d+ staged"),
+    # staged copies are record_stream-ed on the all-gather stream before they are dropped
+    "staged_record_stream": (r"accelerator copy of host memory \(allocated on stream 'fcdp_param_h2d' at "
+                             r"fcdp_deepspeed/cache.py:\d+ staged .*\) was freed at fcdp_deepspeed/cache.py:\d+ staged while "
+                             r"its use on stream 'ds_allgather' at zero/partition_parameters.py:\d+ _all_gather_dtype"),
+    # after the flush (reduce stream) the step's stream waits for it
+    "flush_wait": (r"read of tensor on stream 'default' at zero/stage3.py:\d+ \w+ .* is not ordered after its write on "
+                   r"stream 'ds_reduce_and_partition' at zero/stage3.py:\d+ partition_grads"),
+    # the node buffer's stream waits for the node sums (reduce stream)
+    "grad_buffer_sums": (r"read of tensor on stream 'fcdp_grad_buffer' at grads/buffer.py:\d+ accumulate .* is not ordered "
+                         r"after its write on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ _scatter_sum"),
+    # take() waits for the slot's round trip (buffer stream)
+    "grad_buffer_done": (r"read of pinned host memory on stream 'ds_reduce_and_partition' at grads/buffer.py:\d+ take .* is "
+                         r"not ordered after its write on stream 'fcdp_grad_buffer' at grads/buffer.py:\d+ accumulate"),
+    # the node sums are record_stream-ed on the buffer's stream
+    "grad_buffer_record_stream": (r"tensor \(allocated on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ "
+                                  r"_scatter_sum .*\) was freed at .* while its use on stream 'fcdp_grad_buffer' at "
+                                  r"grads/buffer.py:\d+ accumulate"),
+    # the two-stage gather: stage 2 (node group) after stage 1 (peer group); see [Note: when _issue_one moves
+    # stage 1 to a side stream with an event] in the worker
+    "two_stage_gather": (r"read of door accelerator memory on stream 'collectives\([\d, ]+\)' at runtime/gather.py:\d+ "
+                         r"_issue_one .* is not ordered after its write on stream 'collectives\([\d, ]+\)' at "
+                         r"runtime/gather.py:\d+ _issue_one"),
+    # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
+    "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "
+                         r"'default' at fcdp_deepspeed/cache.py:\d+ move"),
+}
+BREAKS = [{"scenario": BY_NAME["host_full_node_gated"], "breaks": [k for k in ORDERINGS if k != "deferred_release"]},
+          {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]}]  # the move: end of step 2
+
 
 @pytest.fixture(scope="module")
 def strict():
-    return run_ranks("device_discipline:strict_runs", 4, timeout=900, scenarios=SCENARIOS)
+    return run_ranks("device_discipline:strict_runs", 4, timeout=1200, scenarios=SCENARIOS, stream_breaks=BREAKS)
 
 
 def steady_excess(runs: dict) -> list[str]:
@@ -71,7 +121,11 @@ def test_strict_mode_runs_and_matches_zero3(strict, name):
             assert fcdp["stats"]["batched_refills"] > 0  # the stale adapters' batched two-stage refill ran
         if sc.get("rtol"):  # lossy: int8 gradients across nodes
             assert fcdp["stats"]["grad_compressed_exchanges"] > 0 and fcdp["stats"]["grad_residual_host_bytes"] > 0
-        if sc["fcdp"].get("grad_accumulation") == "node":
+        if sc.get("lossy"):  # compressed reconstructions: close to ZeRO-3, not equal (tests/test_compress_params.py)
+            assert fcdp["stats"]["param_compressed_gathers"] > 0 and fcdp["stats"]["param_reference_host_pool_bytes"] > 0
+            for a, b in zip(plain["losses"], fcdp["losses"]):
+                assert abs(a - b) <= 1e-2 * abs(a)
+        elif sc["fcdp"].get("grad_accumulation") == "node":
             rtol = sc.get("rtol", RTOL)
             for a, b in zip(plain["losses"], fcdp["losses"]):
                 assert abs(a - b) <= rtol * abs(a)
@@ -89,6 +143,22 @@ def test_no_blocking_host_device_operation_beyond_zero3(strict, name):
         assert not steady_excess(per_rank[name])
 
 
+def test_stream_order_holds_in_every_scenario(strict):
+    """The stream-order model raises on the first violation: every scenario above ran through (all 4 ranks), and
+    so did the first (clean) step of each broken run."""
+    for per_rank in strict:
+        for spec in BREAKS:
+            assert per_rank[f"broken:{spec['scenario']['name']}"]["clean"] == []
+
+
+@pytest.mark.parametrize("ordering", list(ORDERINGS))
+def test_removing_a_stream_ordering_is_reported_with_both_sites(strict, ordering):
+    """Broken variant: the ordering removed for one step; the model names the access and the one it races."""
+    for per_rank in strict:
+        run = next(per_rank[f"broken:{s['scenario']['name']}"] for s in BREAKS if ordering in s["breaks"])
+        assert any(re.search(ORDERINGS[ordering], m) for m in run[ordering]), run[ordering][:3]
+
+
 def test_host_buffer_in_a_collective_is_refused():
     """Bug put back: the flush hands host buffer slots to the inter-node collective (NCCL would crash)."""
     with pytest.raises(RankFailure, match=r"HostTensorInCollective: fcdp: \S*grads/collectives.py:\d+ _scatter_sum handed a "
@@ -103,6 +173,14 @@ def test_blocking_fill_is_counted():
                          break_kind="blocking_fill")
     problems = steady_excess(per_rank[0]["host_full_flat"])
     assert problems and "stream_synchronize" in problems[0], problems
+
+
+def test_blocking_reference_copy_is_counted():
+    """Bug put back: the compressed gather waits on the host for the copy of the new reference into pinned memory."""
+    per_rank = run_ranks("device_discipline:strict_runs", 4, timeout=600, scenarios=[BY_NAME["host_full_int8"]],
+                         break_kind="blocking_reference")
+    problems = steady_excess(per_rank[0]["host_full_int8"])
+    assert problems and "event_synchronize" in problems[0], problems
 
 
 def test_index_built_per_bucket_is_counted():
@@ -136,3 +214,100 @@ def test_strict_door_tells_host_from_accelerator():
     door.to_host(accel, out=door.host_empty(4, torch.float32))  # pageable: blocks on CUDA
     host.copy_(accel)  # a copy outside the door, not asynchronous
     assert [e.kind for e in sd.LOG.since(mark)] == ["blocking_copy_pageable", "blocking_copy"]
+
+
+@contextmanager
+def _collected():
+    """The stream-order model with violations collected (in-process), the tracker on for the block."""
+    from fcdp_deepspeed import strict_streams as ss
+    with ss.tracking() as model:
+        model.raise_errors, mark = False, len(model.violations)
+        found: list[str] = []
+        try:
+            yield found
+        finally:
+            gc.collect()
+            found += model.violations[mark:]
+            model.raise_errors = True
+
+
+def test_stream_model_reports_each_kind_with_both_sites():
+    """In-process: a read on another stream before a wait, a host read of pinned memory before its copy's event,
+    a free while another stream used it without record_stream; each fixed by the ordering it lacked."""
+    from fcdp_deepspeed import strict_device as sd
+    door = sd.StrictDoor()
+    here = r"tests/test_device_discipline.py:\d+ test_stream_model_reports_each_kind_with_both_sites"
+    side = door.side_stream("test")
+    with _collected() as found:
+        slot = door.pin_empty(8, torch.float32).zero_()
+        door.to_host(torch.arange(8.0), out=slot)  # a device-to-host copy on the default stream
+        filled = door.record_event()
+        with door.stream(side):
+            door.to_accel(slot)  # no wait: races the copy
+            door.wait_event(filled)
+            staged = door.to_accel(slot)  # ordered
+        door.wait_event(door.current_stream().record_event())
+        float(slot.sum())  # the host reads before waiting on the copy's event
+        door.host_wait(filled)
+        float(slot.sum())  # ordered
+        door.wait_stream(side)
+        staged.mul(2)  # used on the default stream, then dropped without record_stream
+        del staged
+    assert len(found) == 3, found
+    assert re.search(rf"read of pinned host memory on stream 'fcdp_test' at {here} .* not ordered after its write on "
+                     rf"stream 'default' at {here}", found[0]), found[0]
+    assert re.search(rf"read of pinned host memory on stream 'host' at {here} .* not ordered after its write on stream "
+                     rf"'default' at {here} .*the host must wait", found[1]), found[1]
+    assert re.search(rf"accelerator copy of host memory \(allocated on stream 'fcdp_test' at {here} .*\) was freed at "
+                     rf"{here} while its use on stream 'default' at {here}", found[2]), found[2]
+    with _collected() as fixed:
+        with door.stream(side):
+            staged = door.to_accel(door.pin_empty(4, torch.float32).zero_())
+        door.wait_stream(side)
+        staged.mul(2)
+        door.record_stream(staged)
+        del staged
+    assert fixed == []
+
+
+def _filled_entry(door, host_wait):
+    """A host cache slot filled through NodeCache (verify mode: the host checksums the slot after its fill)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from fcdp_deepspeed.cache import CacheEntry, NodeCache, Placement, SlotPool
+    from fcdp_deepspeed.stats import CacheCounters
+    param = torch.nn.Parameter(torch.arange(8.0))
+    param.ds_id, param.ds_numel, param.ds_status, param.ds_secondary_tensor = 0, 8, ZeroParamStatus.AVAILABLE, None
+    cache = NodeCache(rank_in_node=0, counters=CacheCounters(), checksums=True)
+    entry = cache.entries[0] = CacheEntry(param=param, name="w", slot_numel=4, start=0, dtype=torch.float32)
+    with device.use(door):
+        assert not SlotPool(Placement.HOST, pin=True).reserve([entry])
+        door.host_wait = host_wait
+        cache.on_partition(entry, has_been_updated=False)
+    return entry
+
+
+def test_verify_checksum_waits_for_the_fill():
+    """Verify mode's host checksum reads the pinned slot: after ``host_wait(entry.ready)``, never before (broken
+    variant: the host wait dropped)."""
+    from fcdp_deepspeed import strict_device as sd
+    door = sd.StrictDoor()
+    with _collected() as found:
+        entry = _filled_entry(door, door.host_wait)
+    assert found == [] and entry.checksum == 0.0 + 1 + 2 + 3
+    with _collected() as found:
+        _filled_entry(door, lambda event: None)
+    assert found and re.search(r"read of pinned host memory on stream 'host' at fcdp_deepspeed/cache.py:\d+ _fill .* "
+                               r"after its write on stream 'default' at fcdp_deepspeed/cache.py:\d+ _fill", found[0]), found
+
+
+def test_reduction_index_is_built_on_the_gradients_device(monkeypatch):
+    """``order_index`` caches per device: the tensor lives on that device, whatever the current one (broken variant:
+    built on the current device, as before)."""
+    from fcdp_deepspeed.grads import layout
+    meta = torch.device("meta")
+    monkeypatch.setattr(layout, "_ORDER_INDEX", {})
+    assert layout.order_index((1, 0), meta).device == meta
+    monkeypatch.setattr(layout, "_ORDER_INDEX", {})
+    monkeypatch.setattr(device, "small_to_accel", lambda values, dtype, where=None: torch.tensor(values, dtype=dtype))
+    assert layout.order_index((1, 0), meta).device != meta  # what the check above would catch

@@ -39,7 +39,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run-cpu" and report["passed"] is True
-    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg"}
+    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory"}
     for case in report["cases"].values():
         assert set(case) == {"case", "checks", "numbers", "error", "passed"} and case["error"] is None
         assert all(set(c) == {"name", "passed", "detail"} for c in case["checks"])
@@ -57,7 +57,17 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert checks["host: cache served hits"] is True and checks["node_host: gradient buffer on the host"] is True
     assert checks["node_host: the gated block's window sums were flushed"] is True
     assert checks["host: peak allocated within 5% of ZeRO-3"] is None  # no device memory on the CPU accelerator
-    assert "a_grad_flush: PASS" in proc.stdout and "b_fake_pg: PASS" in proc.stdout
+    assert {c["name"]: c["passed"] for c in a["checks"]}["communicator warm-up ran on both groups"] is True
+    assert set(a["numbers"]["comm_warmup_bytes"]) == {"node", "node_peers"}
+    timeline = b["numbers"]["runs"]["host"]["trace"][-1]["gather_timeline"]
+    assert timeline["gathers"] > 0 and len(timeline["host_stage1_wait_us"]) == timeline["gathers"]  # stage ranges seen
+    d, e = report["cases"]["d_sanitizer"], report["cases"]["e_host_memory"]
+    assert {c["name"]: c["passed"] for c in d["checks"]}["host: no stream race in FCDP's code (CUDA sanitizer)"] is None
+    assert d["numbers"]["errors"] == {}  # every variant ran (on the CPU accelerator, without the sanitizer)
+    assert e["numbers"]["pin"]["pin_bytes"] == 2**26 and len(e["numbers"]["h2d"]) == 1
+    assert all(c["passed"] is None for c in e["checks"])  # nothing is page-locked on the CPU
+    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory"):
+        assert f"{name}: PASS" in proc.stdout
 
 
 @pytest.mark.parametrize("kind, failing", [("lose_window", "param 1: equals the reference sum"),
@@ -88,3 +98,28 @@ def test_trace_counts_and_overlap():
     assert (trace.syncs, trace.sync_memcpys, trace.pageable_copies, trace.h2d_copies, trace.kernels) == (1, 1, 1, 1, 2)
     assert trace.h2d_us == 20 and trace.h2d_overlap_us == 10 and trace.overlap_fraction == 0.5
     assert gpu_trace.summarize([]).overlap_fraction is None
+
+
+def test_gather_timeline_from_ranges_and_kernels():
+    """Stage ranges and NCCL kernels -> the host's stage-1 wait, issue gaps, and the kernels' order; a stage-2
+    kernel that starts before the stage-1 kernel before it ended is not ordered (broken variant)."""
+    def kernel(stream, start, end):
+        e = _event("ncclDevKernel_AllGather_RING_LL", start, end, True)
+        e.device_resource_id = stream
+        return e
+    host = [_event("fcdp.gather.stage1", 0, 2, False), _event("fcdp.gather.stage1.wait", 3, 4, False),
+            _event("fcdp.gather.stage2", 5, 6, False)]
+    good = gpu_trace.gather_timeline(host + [kernel(7, 10, 20), kernel(8, 21, 30)])
+    assert good["gathers"] == 1 and good["host_stage1_wait_us"] == [1] and good["host_stage1_to_stage2_us"] == [5]
+    assert good["ordered"] is True
+    assert gpu_trace.gather_timeline(host + [kernel(7, 10, 20), kernel(8, 15, 30)])["ordered"] is False
+    assert gpu_trace.gather_timeline(host)["ordered"] is None  # a fake group: no kernels
+
+
+def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
+    from fcdp_deepspeed.tools.gpu_sanitizer import _fcdp_frames
+    report = ('CUDASanitizerErrors: Detected 1 error\n  File "/x/deepspeed/runtime/zero/stage3.py", line 1, in step\n'
+              '  File "/x/fcdp_deepspeed/tools/gpu_fake_pg.py", line 2, in train_step\n')
+    assert _fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
+    assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/cache.py", line 3, in staged\n') == [
+        'File "/x/fcdp_deepspeed/cache.py", line 3, in staged']

@@ -81,8 +81,10 @@ def test_trainer_logs_fcdp_counters_and_refuses_stage2():
         inter = [s["fcdp/inter_node_allgather_bytes"] for s in train_logs]
         assert inter == sorted(inter) and inter[0] > 0 and inter[-1] == on["stats"]["inter_node_allgather_bytes"]
         assert all(0 < s["fcdp/cache_hit_rate"] <= 1 for s in train_logs)
-        # a full fine-tune's step invalidates every slice: the cache is empty when the Trainer logs
+        # a full fine-tune's step invalidates every slice: nothing is valid when the Trainer logs, but the
+        # slots stay allocated (fcdp/*_slot_bytes, what the cache takes; cache_device auto moves them after step 2)
         assert all(s["fcdp/host_cache_bytes"] == s["fcdp/device_cache_bytes"] == 0 for s in train_logs)
+        assert all(s["fcdp/host_slot_bytes"] + s["fcdp/device_slot_bytes"] > 0 for s in train_logs)
         assert all(s["fcdp/inter_node_grad_reduce_bytes"] > 0 for s in train_logs)
         assert [h["fcdp/inter_node_allgather_bytes"] for h in on["history"] if "loss" in h] == inter
         assert on["steps_per_print"] == float("inf")  # accelerate's setting

@@ -26,7 +26,7 @@ KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 
 def _config(tmp: Path, fcdp_block) -> str:
-    cfg = json.loads("\n".join(line.split("//")[0] for line in (ROOT / "configs" / "toy_fcdp.json").read_text().splitlines()))
+    cfg = json.loads((ROOT / "configs" / "toy_fcdp.json").read_text())
     if fcdp_block is None:
         cfg.pop("fcdp")
     else:
@@ -99,8 +99,7 @@ def test_plain_hf_script_logs_fcdp_counters_under_both_launchers(tmp):
     ranks of torchrun and of the deepspeed launcher (2 ranks as 2 nodes: ``ranks_per_node`` 1)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    hf_config = json.loads("\n".join(line.split("//")[0] for line in
-                                     (ROOT / "configs" / "hf_full_fcdp.json").read_text().splitlines()))
+    hf_config = json.loads((ROOT / "configs" / "hf_full_fcdp.json").read_text())
     hf_config["fcdp"] = {"enabled": True, "ranks_per_node": 1}
     (tmp / "hf.json").write_text(json.dumps(hf_config))
     script = [str(ROOT / "examples" / "hf_gpt2_trainer.py"), "--deepspeed_config", str(tmp / "hf.json")]
@@ -166,11 +165,16 @@ def test_policy_and_reference_models_in_one_process():
 def test_counters_written_to_deepspeed_monitor():
     with tempfile.TemporaryDirectory() as out_dir:
         run_ranks("integrations:monitor_csv", 4, out_dir=out_dir)
-        csv = Path(out_dir) / "fcdp" / "FCDP_inter_node_allgather_bytes.csv"
+        csv = Path(out_dir) / "fcdp" / "fcdp_inter_node_allgather_bytes.csv"  # the names HF logs get: fcdp/<key>
         rows = csv.read_text().strip().splitlines()
         assert rows[0] == "step,inter_node_allgather_bytes" and len(rows) == 4  # header + 3 steps
-        assert (Path(out_dir) / "fcdp" / "FCDP_cache_hit_rate.csv").exists()
-        assert (Path(out_dir) / "fcdp" / "FCDP_inter_node_grad_reduce_bytes.csv").exists()
+        for key in ("cache_hit_rate", "inter_node_grad_reduce_bytes", "host_slot_bytes"):
+            assert (Path(out_dir) / "fcdp" / f"fcdp_{key}.csv").exists(), key
+        host, device = ([float(row.split(",")[1]) for row in
+                         (Path(out_dir) / "fcdp" / f"fcdp_{p}_slot_bytes.csv").read_text().strip().splitlines()[1:]]
+                        for p in ("host", "device"))
+        # the slots stay allocated across steps (cache_device auto moves them to the device after step 2)
+        assert len(host) == 3 and all(h + d > 0 for h, d in zip(host, device)), (host, device)
 
 
 def test_layout_each_engine_is_counted_by():

@@ -131,3 +131,31 @@ def test_pool_cost_counts_chunking_and_pinned_rounding():
     assert [fit_prefix(cost, sizes, b) for b in (31, 32, 63, 64, 95, 96)] == [0, 1, 1, 2, 2, 3]
     # a budget that counted slot bytes only (72) would let the pool take 96 pinned bytes
     assert fit_prefix(cost, sizes, 72) == 2
+
+
+def test_a_large_slot_shares_its_rounded_chunk():
+    """A slot over the chunk size gets a chunk of its own, rounded up to a power of two when pinned; the slots
+    after it fill that rounding instead of opening chunks of their own (broken variant: the old grouping)."""
+    from fcdp_deepspeed.cache import chunk_groups, chunks_cost
+    assert chunk_groups([9, 3, 3, 3], 8, pinned=True) == [[0, 1, 2], [3]]  # 9 -> a 16-byte chunk holds 15
+    assert chunks_cost([9, 3, 3, 3], 8, pinned=True) == 16 + 4
+    assert chunk_groups([9, 3, 3, 3], 8, pinned=False) == [[0], [1, 2], [3]]  # pageable: no rounding to fill
+    old = sum(memory.pinned_cost(sum([9, 3, 3, 3][i] for i in g)) for g in ([0], [1, 2], [3]))
+    assert old == 16 + 8 + 4 > chunks_cost([9, 3, 3, 3], 8, pinned=True)
+
+
+def test_measured_headroom_counts_memory_outside_the_allocator():
+    """[Note: device budgets come from a measured step]: an 80 GiB GPU whose step reserved 60 GiB at its peak and
+    holds 50 GiB now, with 25 GiB free: 5 GiB are outside the allocator (NCCL, the context): 80 - 60 - 8 - 5."""
+    assert memory.measured_device_headroom(80 * GiB, 60 * GiB, 50 * GiB, 25 * GiB) == 7 * GiB
+    assert memory.measured_device_headroom(80 * GiB, 60 * GiB, 50 * GiB, 30 * GiB) == 12 * GiB  # nothing outside
+    assert memory.measured_device_headroom(80 * GiB, 60 * GiB, 50 * GiB, 10 * GiB) == 0
+
+
+def test_slurm_headroom_subtracts_every_rank_of_the_node():
+    """SLURM reports no usage: the headroom subtracts the resident memory of all ranks on this node."""
+    rss = [3 * GiB, 2 * GiB, 5 * GiB, 1 * GiB]
+    used = memory.node_resident_bytes(rss, ["node0", "node0", "node1", "node1"], "node0")
+    assert used == 5 * GiB
+    limit = memory.slurm_limit({"SLURM_MEM_PER_NODE": str(16 * 1024)}, used)
+    assert limit == ("SLURM_MEM_PER_NODE=16384M", 11 * GiB)

@@ -43,9 +43,27 @@ def test_host_mode_has_zero_device_overhead(modes):
         assert r["host"].stats["host_pool_bytes"] == 12672
 
 
-def test_device_mode_places_slices_on_the_accelerator(modes):
-    s = modes[0]["device"].stats
-    assert s["device_pool_bytes"] == 12672 and s["host_pool_bytes"] == 0
+def test_device_mode_places_slices_on_the_accelerator_after_a_measured_step(modes):
+    """[Note: device budgets come from a measured step]: like auto, device mode starts on the host; after step 2
+    every slice that fits the measured headroom moves, and the host chunks are released."""
+    r = modes[0]["device"]
+    assert r.step_stats[0]["device_pool_bytes"] == 0 and r.step_stats[0]["host_pool_bytes"] == 12672
+    assert r.step_stats[1]["device_pool_bytes"] == 12672 and r.stats["host_pool_bytes"] == 0
+    m = r.stats["memory"]
+    assert m["device_headroom_bytes"] > 0 and m["device_budget_bytes"] == m["device_headroom_bytes"]
+    a = modes[0]["auto"].stats["memory"]  # auto: half the headroom by default
+    assert 0 < a["device_budget_bytes"] <= a["device_headroom_bytes"] // 2 + 1
+
+
+def test_memory_numbers_are_reported(modes):
+    """Pinning time, and the node's resident memory (all its ranks: SLURM's limit is per node) identical on the
+    ranks of one node (broken variant: each rank's own resident memory, as before, differs between them)."""
+    for mode in ("host", "device", "auto"):
+        s = [r[mode].stats["memory"] for r in modes]
+        assert all(x["host_pool_alloc_seconds"] >= 0 and x["comm_warmup_seconds"] >= 0 for x in s)
+        assert s[0]["node_resident_bytes"] == s[1]["node_resident_bytes"] > 0
+        assert s[2]["node_resident_bytes"] == s[3]["node_resident_bytes"] > 0
+        assert set(s[0]["comm_warmup_bytes"]) == {"node", "node_peers"}
 
 
 def test_auto_mode_promotes_after_the_second_step(modes):
@@ -58,7 +76,7 @@ def test_auto_mode_promotes_after_the_second_step(modes):
 
 def test_pool_is_allocated_once(modes):
     for mode in ("host", "device", "small_budget", "auto"):
-        stats = modes[0][mode].step_stats[1 if mode == "auto" else 0:]  # auto: promoted at step 2
+        stats = modes[0][mode].step_stats[1 if mode in ("auto", "device") else 0:]  # promoted at step 2
         counts = [(s["host_pool_allocations"], s["device_pool_allocations"]) for s in stats]
         assert len(set(counts)) == 1, (mode, counts)  # nothing allocated per step
 
@@ -117,3 +135,30 @@ def test_one_node_takes_no_cache_memory_and_is_plain_zero3():
                 assert len(logs) == 1 and "one node" in logs[0] and "no cache slots, no gradient buffer" in logs[0]
             else:
                 assert logs == []
+
+
+# -- pinning ---------------------------------------------------------------------------------------
+def test_pageable_host_memory_is_said_once(monkeypatch):
+    """[Note: pageable host memory] On an accelerator that pins (monkeypatched: the CPU cannot), a pageable pool
+    gets one warning naming fcdp.pin_memory, a pinned one the info line with the pinning time; DeepSpeed's own
+    pageable offloaded partitions are recognised (offload_param's pin_memory defaults to false)."""
+    from fcdp_deepspeed import device
+    from fcdp_deepspeed.cache import NodeCache, SlotPool
+    from fcdp_deepspeed.runtime import allocation
+    from fcdp_deepspeed.stats import CacheCounters
+    said = []
+    monkeypatch.setattr(allocation.logger, "warning", lambda m: said.append(("warning", m)))
+    monkeypatch.setattr(allocation.logger, "info", lambda m: said.append(("info", m)))
+    monkeypatch.setattr(allocation.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(device, "pins_host_memory", lambda: True)
+    cache = NodeCache(0, CacheCounters(), checksums=False)
+    for pin in (False, True):
+        cache.pools[Placement.HOST] = SlotPool(Placement.HOST, pin=pin)
+        allocation.Allocation(config=None, dp_group=None, topology=None, cache=cache).log_pinning()
+    assert [kind for kind, _ in said] == ["warning", "info"]
+    assert "fcdp.pin_memory is false" in said[0][1] and "synchronous copy" in said[0][1]
+    assert "pinning and zeroing included" in said[1][1]
+    zero = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert allocation.offloaded_pageable(zero)
+    zero["zero_optimization"]["offload_param"]["pin_memory"] = True
+    assert not allocation.offloaded_pageable(zero) and not allocation.offloaded_pageable({"zero_optimization": {}})

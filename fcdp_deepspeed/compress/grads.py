@@ -18,14 +18,13 @@ budget) take the exact stage in the same call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from deepspeed import comm as dist
 
 from fcdp_deepspeed import device
-from fcdp_deepspeed.compress import state
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
@@ -197,20 +196,15 @@ def attach_compressor(config: FCDPConfig, plan: GradPlan, reducer: Optional[Grad
     return reducer.comm.compressor
 
 
-def _compressor_of(optimizer: Any) -> Optional[GradCompressor]:
-    reducer = getattr(optimizer, "fcdp_grads", None)
-    return None if reducer is None else reducer.comm.compressor
+@dataclass(eq=False)
+class GradState:
+    """The ``"grads"`` part of the ``fcdp_compression`` envelope (``compress/state.StatePart``): this rank's
+    error-feedback residuals, restored only into the same codec, block, layout and budget."""
 
+    compressor: GradCompressor
 
-def _save_part(optimizer: Any) -> Optional[dict]:
-    compressor = _compressor_of(optimizer)
-    return None if compressor is None else compressor.save()
+    def state(self) -> dict:
+        return self.compressor.save()
 
-
-def _load_part(optimizer: Any, part: Optional[dict]) -> None:
-    compressor = _compressor_of(optimizer)
-    if compressor is not None:
-        compressor.load(part)
-
-
-state.register_part("grads", _save_part, _load_part)
+    def load_state(self, saved: Optional[Mapping[str, Any]]) -> None:
+        self.compressor.load(dict(saved) if saved is not None else None)

@@ -20,6 +20,7 @@ import torch
 
 from deepspeed import comm as dist
 
+from fcdp_deepspeed import comm_warmup
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads.buffer import BufferPlanner, NodeGradBuffer, fitting_prefix
 from fcdp_deepspeed.grads.collectives import StageCollectives
@@ -39,10 +40,11 @@ __all__ = ["BufferPlanner", "DeliveryLedger", "GradCounters", "GradReducer", "No
 
 def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: Sequence[torch.nn.Parameter],
                   accumulation_dtype: torch.dtype, is_boundary: Any, accumulation_steps: int = 2,
-                  path_blockers: Sequence[str] = (), accumulation_blockers: Sequence[str] = ()
-                  ) -> tuple[GradPlan, Optional[GradReducer]]:
-    """Collective over the DP group (the buffer budget agreement; the topology created every group, [Note:
-    groups from the global layout]): the engine's resolved gradient plan (logged once by rank 0), and its
+                  path_blockers: Sequence[str] = (), accumulation_blockers: Sequence[str] = (),
+                  node_rss: Optional[int] = None) -> tuple[GradPlan, Optional[GradReducer]]:
+    """Collective over the DP group (the buffer budget agreement, and the first use of the node and node-peer
+    communicators if the runtime has not warmed them up; the topology created every group, [Note: groups from
+    the global layout]): the engine's resolved gradient plan (logged once by rank 0), and its
     reducer, or ``None`` for DeepSpeed's own path (flat, or one node / one rank per node, where both
     stages would be one). With one micro-step per optimizer step every micro-step is a boundary, so the
     node buffer is only measured here; :meth:`GradReducer.plan_buffer` allocates it at the first
@@ -59,7 +61,9 @@ def build_reducer(config: FCDPConfig, topo: Topology, dp_group: Any, trainable: 
     if plan.active:
         layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
         assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
+        comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group})  # [Note: why warm up]
         reducer = GradReducer(config, layout, dp_group, topo.group, topo.peer_group, accumulation_dtype, is_boundary)
+        reducer.planner.node_rss = node_rss
         if config.grad_accumulation != "rank" and not accumulation_blockers:
             plan = resolve(reducer.measure_buffer(trainable))
         reducer.node_accumulation = plan.grad_accumulation == "node"

@@ -44,29 +44,44 @@ class NodeGradBuffer:
     offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset, numel)
     dirty: set[int] = field(default_factory=set)
     device: str = "host"
+    #: Event after the last round trip of host slots on the buffer's stream (``None``: none, or no streams).
+    done: Any = None
 
     def slot(self, ds_id: int) -> Optional[torch.Tensor]:
         where = self.offsets.get(ds_id)
         return None if where is None or self.flat is None else self.flat.narrow(0, where[0], where[1])
 
-    def accumulate(self, ds_id: int, cols: torch.Tensor) -> None:
-        """Add ``cols`` (accelerator, accumulation dtype) into the slot; a clean slot is overwritten.
+    def accumulate(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Add each ``(ds_id, cols)`` (accelerator, accumulation dtype) into its slot; a clean slot is overwritten.
 
-        [Note: host buffer, device add] A host slot is never read by the host: its partial sum is copied to
-        the accelerator (pinned, async), the add runs there, and the result is copied back (async) on the
-        same stream, so the next micro-step's copy of the slot is ordered after it."""
-        slot = self.slot(ds_id).view_as(cols)
-        if self.device == "host":
-            device.to_host(device.to_accel(slot) + cols if ds_id in self.dirty else cols, out=slot)
-        elif ds_id in self.dirty:
-            slot.add_(cols)
-        else:
-            slot.copy_(cols)
-        self.dirty.add(ds_id)
+        [Note: host buffer round trip] A host slot is never read by the host: its partial sum is copied to the
+        accelerator, the add runs there and the sum is copied back, all on FCDP's own stream
+        (``device.side_stream("grad_buffer")``). The reduce stream only records an event after the node sums,
+        which the buffer's stream waits for before the adds (the slot copies to the accelerator are issued
+        before that wait, so they overlap the reduction). So the reduce stream's reduce-scatters never queue
+        behind the copies, and DeepSpeed's reduce backpressure (two events on the reduce stream) does not turn
+        them into host stalls. Micro-steps stay in order on the one buffer stream; :meth:`take` waits on
+        :attr:`done` before reading a slot."""
+        if self.device != "host":
+            for ds_id, cols in items:
+                slot = self.slot(ds_id).view_as(cols)
+                slot.add_(cols) if ds_id in self.dirty else slot.copy_(cols)
+                self.dirty.add(ds_id)
+            return
+        sums = device.record_event()  # on the reduce stream: the node sums exist
+        with device.stream(device.side_stream("grad_buffer")):
+            partial = [device.to_accel(self.slot(i).view_as(c)) if i in self.dirty else None for i, c in items]
+            device.wait_event(sums)
+            for (ds_id, cols), part in zip(items, partial):
+                device.record_stream(cols)  # allocated on the reduce stream, read on this one
+                device.to_host(cols if part is None else part.add_(cols), out=self.slot(ds_id).view_as(cols))
+                self.dirty.add(ds_id)
+            self.done = device.record_event()
 
     def take(self, ds_id: int, shape: tuple[int, int]) -> torch.Tensor:
         """The window sum on the accelerator (read it before the next :meth:`accumulate`); the slot is clean."""
         self.dirty.discard(ds_id)
+        device.wait_event(self.done)  # the slot's last round trip, on the buffer's stream
         return device.to_accel(self.slot(ds_id).view(shape))
 
     @property
@@ -99,6 +114,8 @@ class BufferPlanner:
         self.params_by_id: dict[int, torch.nn.Parameter] = {}
         self.unbuffered_bytes = 0
         self.planned = False
+        #: Resident bytes of every rank on this node (SLURM's per-node limit), from the runtime's planning.
+        self.node_rss: Optional[int] = None
 
     def sizes(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list[int]]:
         params = sorted(params, key=lambda p: p.ds_id)
@@ -153,7 +170,7 @@ class BufferPlanner:
         spec = self.config.grad_buffer_budget_spec
         if on_device:
             return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
-        usable = memory.usable_host(memory.host_limit())
+        usable = memory.usable_host(memory.host_limit(used_bytes=self.node_rss))
         share = min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
         return memory.pinned_capacity(share, self.config.pin_memory and device.pins_host_memory())
 

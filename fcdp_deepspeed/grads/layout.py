@@ -110,10 +110,11 @@ def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
 
     [Note: cached index] Building it per bucket is a pageable host-to-device copy on the reduce stream,
     which makes the backward thread wait for the previous bucket's reduction; built once (planning or
-    first bucket) it is only read afterwards, on the same reduce stream."""
+    first bucket) it is only read afterwards, on the same reduce stream. Built on ``where`` itself: the cache
+    key is that device, whatever the current device is when it is first built."""
     key = (tuple(order), str(where))
     index = _ORDER_INDEX.get(key)
     if index is None:
-        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long)
+        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long, where)
     return index
 

@@ -97,6 +97,7 @@ class GradReducer:
         accumulate = self.node_accumulation and not self.is_boundary()
         results: list[Optional[torch.Tensor]] = [None] * len(params)
         deliver: list[tuple[int, torch.Tensor]] = []
+        buffered: list[tuple[int, torch.Tensor]] = []
         window = False  # some delivered sum holds earlier micro-steps of the window
         offset = 0
         for i, (param, tensor) in enumerate(zip(params, tensors)):
@@ -105,13 +106,15 @@ class GradReducer:
             offset += p
             slot = self.buffer.slot(param.ds_id) if self.node_accumulation else None
             if slot is not None and accumulate:
-                self.buffer.accumulate(param.ds_id, cols)
+                buffered.append((param.ds_id, cols))
                 results[i] = cols.new_empty(0)
                 continue
             if slot is not None and param.ds_id in self.buffer.dirty:
                 cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
                 window = True
             deliver.append((i, cols))
+        if buffered:
+            self.buffer.accumulate(buffered)
         if deliver:
             owns = self.comm.across_nodes([c for _, c in deliver], comm_dtype, [params[i].ds_id for i, _ in deliver],
                                           window_sums=window)

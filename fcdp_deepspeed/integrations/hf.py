@@ -2,7 +2,7 @@
 
 DeepSpeed's monitor and FCDP's ``[fcdp]`` line do not reach where Trainer users look, so
 :class:`FCDPStatsCallback` adds ``fcdp/*`` entries (this rank's :func:`~fcdp_deepspeed.get_stats`
-counters) to the ``logs`` dict of every ``on_log`` event (and to that event's ``state.log_history``
+counters, under the names DeepSpeed's monitor gets) to the ``logs`` dict of every ``on_log`` event (and to that event's ``state.log_history``
 entry); the Trainer reports rank 0's.
 
 Reporting callbacks read that same dict in list order, and the Trainer puts ``callbacks=[...]``
@@ -20,18 +20,14 @@ from typing import Any, Optional
 
 #: Set to ``0`` to keep Trainers with an enabled ``fcdp`` block from getting the callback automatically.
 HF_CALLBACK_ENV = "FCDP_HF_CALLBACK"
-#: ``get_stats`` keys logged as ``fcdp/<key>`` (cumulative since the engine was created).
-LOGGED_KEYS = ("inter_node_allgather_bytes", "intra_node_allgather_bytes", "inter_node_grad_reduce_bytes",
-               "intra_node_grad_reduce_bytes", "host_cache_bytes", "device_cache_bytes")
 _PATCHED = "_fcdp_original_init"
 
 
 def stats_for_logs(stats: dict) -> dict[str, float]:
-    """The ``fcdp/*`` log entries for one ``get_stats`` dict (hit rate: hits / (hits + misses))."""
-    out = {f"fcdp/{key}": stats[key] for key in LOGGED_KEYS if key in stats}
-    lookups = stats.get("cache_hits", 0) + stats.get("cache_misses", 0)
-    out["fcdp/cache_hit_rate"] = stats.get("cache_hits", 0) / lookups if lookups else 0.0
-    return out
+    """The ``fcdp/*`` log entries for one ``get_stats`` dict: the names and keys DeepSpeed's monitor gets
+    (:data:`fcdp_deepspeed.monitor.REPORTED_KEYS`)."""
+    from fcdp_deepspeed.monitor import reported_values
+    return reported_values(stats)
 
 
 def find_stage3(*candidates: Any) -> Optional[Any]:

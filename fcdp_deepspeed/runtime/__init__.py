@@ -14,6 +14,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
   all-gather of misses, ``fcdp.param_gather`` ([Note: the two-stage gather]);
 - ``refill.py`` (:class:`MissBatcher`: the batch size cap): small stale parameters refilled together
   at the first miss, one collective instead of one per module ([Note: why batch misses]);
+- ``compression.py``: ``fcdp.param_compression`` wired in (reference slots and their budget, [Note: which
+  parameters are compressed]); the compressed stage 1 itself is ``compress/params.py``;
 - ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
@@ -29,14 +31,22 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from fcdp_deepspeed import comm_warmup, device
 from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.compress.params import ParamCompression
+from fcdp_deepspeed.compress.reference import ReferenceCheckpoint
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.monitor import latest_monitor
-from fcdp_deepspeed.runtime.allocation import Allocation, warn_if_nothing_cached
+from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
+from fcdp_deepspeed.runtime.compression import build_compression
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather
 from fcdp_deepspeed.runtime.invalidation import Invalidation
+from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.stats import CacheCounters, CommCounters
@@ -52,6 +62,7 @@ class FCDPRuntime:
                  optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
                  comm: Optional[CommCounters] = None) -> None:
         self.config = config
+        self.ds_config = ds_config
         self.module = module
         self.dp_group = dp_group
         self.optimizer_ids = frozenset(p.ds_id for p in optimizer_params if hasattr(p, "ds_id"))
@@ -65,10 +76,14 @@ class FCDPRuntime:
         # The parts, built by activate().
         self.attachment: Optional[Attachment] = None
         self.allocation: Optional[Allocation] = None
+        self.promotion: Optional[Promotion] = None
         self.fetch: Optional[FetchPath] = None
         self.param_gather = "flat"
         self.invalidation: Optional[Invalidation] = None
         self.report: Optional[Report] = None
+        #: ``fcdp.param_compression`` (``None``: off or not applicable) and its checkpoint part.
+        self.compression: Optional[ParamCompression] = None
+        self.compression_state: Optional[ReferenceCheckpoint] = None
 
     @property
     def topology(self) -> Optional[Topology]:
@@ -84,19 +99,32 @@ class FCDPRuntime:
         self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
         # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
         self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
-        cache = self.attachment.cache
-        self.allocation = Allocation(self.config, self.dp_group, self.attachment.topology, cache)
+        cache, topo = self.attachment.cache, self.attachment.topology
+        gather = build_gather(self.config, topo)
+        if topo.num_nodes > 1:  # before placement: NCCL's buffers exist when the cache is placed ([Note: why warm up])
+            comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group if gather is not None else None})
+        self.allocation = Allocation(self.config, self.dp_group, topo, cache)
         self.allocation.plan_and_allocate()
+        self.allocation.log_pinning()
+        self._warn_pageable_offload()
+        self.promotion = Promotion(self.config, cache)
         warn_if_nothing_cached(self.attachment, self.allocation)
-        gather = build_gather(self.config, self.attachment.topology)  # collective (peer groups)
         self.param_gather = "flat" if gather is None else "hierarchical"
+        self.compression, self.compression_state = build_compression(  # collective (slot agreement)
+            self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
+        if self.compression is not None:
+            gather.compression = self.compression
+            for hook in self.attachment.hooks:
+                hook.listeners.append(self.compression.store.on_partition)
         batcher = MissBatcher(cache, gather, self.counters, self.config.miss_batch_bytes) if gather is not None else None
         self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher)
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
-                             self.monitor)
+                             self.monitor, self.promotion)
+        if self.compression is not None:
+            self.report.extra = lambda: self.compression.stats(self.comm)
         return self
 
     # -- events (``stage3.py`` says which DeepSpeed event calls each) ---------------------------
@@ -109,9 +137,32 @@ class FCDPRuntime:
     def flush(self, reason: str) -> None:
         self.invalidation.flush(reason)
 
+    def checkpoint_event(self, inside: bool) -> None:
+        """Between ``checkpoint_event_prologue`` and ``_epilogue`` (see ``ReferenceStore.in_checkpoint_event``)."""
+        if self.compression is not None:
+            self.compression.store.in_checkpoint_event = inside
+
+    def weights_rewritten(self, why: str) -> None:
+        """Every trainable parameter may have a new value from outside the optimizer (a checkpoint load that is
+        not ours, ``refresh_fp32_params``): the next gathers cross exactly."""
+        if self.compression is not None:
+            self.compression.store.drop_all(why)
+
+    def _warn_pageable_offload(self) -> None:
+        """One warning (rank 0): DeepSpeed's offloaded partitions are pageable (its ``pin_memory`` defaults to
+        false), so every copy of them to the accelerator, FCDP's two-stage gather's included, is synchronous."""
+        if offloaded_pageable(self.ds_config) and device.pins_host_memory() and self.cache.entries and \
+                dist.get_rank() == 0:
+            logger.warning(pageable_warning("zero_optimization.offload_param.pin_memory is false") +
+                           " Set zero_optimization.offload_param.pin_memory: true for DeepSpeed's offloaded partitions.")
+
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
-        self.allocation.on_step_end()
+        self.promotion.on_step_end()
+        if self.compression is not None:
+            self.compression.store.on_step_end()
+            if self.report.due():
+                self.compression.collect_drift(self.dp_group)  # collective, at the report cadence only
         self.report.on_step_end()
 
     def stats(self) -> dict:

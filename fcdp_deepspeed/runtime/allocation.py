@@ -12,7 +12,6 @@ from typing import Any, Callable
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
 from fcdp_deepspeed import device, memory
@@ -30,11 +29,6 @@ def _request(entry: CacheEntry) -> SlotRequest:
 def _in_placement_order(entries: list[CacheEntry]) -> list[CacheEntry]:
     by_key = {e.param.ds_id: e for e in entries}
     return [by_key[r.key] for r in placement_order([_request(e) for e in entries])]
-
-
-#: Optimizer step boundary at which ``auto`` mode measures and promotes: the first step has no
-#: prefetch trace yet, so only the second has run a complete step (prefetch included).
-AUTO_PROMOTE_STEP = 2
 
 
 def host_budget_per_node(spec: Budget, limit: memory.MemoryLimit) -> tuple[int, bool]:
@@ -60,7 +54,8 @@ def fit_prefix(cost: Callable[[list], int], ordered: list, budget: int) -> int:
 
 @dataclass(eq=False)
 class Allocation:
-    """One engine's slot allocation: planned once at activation, revisited once in ``auto`` mode."""
+    """One engine's slot allocation, planned once at activation (the accelerator modes move slices later,
+    ``runtime.promotion``)."""
 
     config: FCDPConfig
     dp_group: Any
@@ -68,8 +63,6 @@ class Allocation:
     cache: NodeCache
     #: Per-rank bytes of the entries that got no slot (over budget, or allocation failed somewhere).
     uncached_bytes: int = 0
-    #: ``auto`` mode: the first step boundary has moved what fits to the accelerator.
-    promoted: bool = False
     #: Entries left out at planning: over the budgets resolved below, or their slot failed on some rank.
     over_budget: int = 0
     degraded: int = 0
@@ -77,21 +70,37 @@ class Allocation:
     device_budget: int = 0
     #: Host memory limit the host budget was resolved against (cgroup, SLURM or psutil, named).
     host_limit: memory.MemoryLimit | None = None
-    steps: int = 0
+    #: Resident bytes of every rank on this node when the budgets were resolved (SLURM's limit is per node).
+    node_rss: int = 0
+
+    def _node_rss(self) -> int:
+        """Collective over the world: the resident memory of every rank on this node."""
+        import psutil
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mine = [0] * world
+        mine[rank] = psutil.Process().memory_info().rss
+        t = device.small_to_accel(mine, torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        nodes = self.topology.node_of_rank
+        return memory.node_resident_bytes(device.small_to_host(t), nodes, nodes[rank])
 
     def _budgets(self) -> tuple[int, int]:
+        """Per-rank host budget, and 0 for the accelerator: the accelerator modes start on the host and move
+        after a measured step ([Note: device budgets come from a measured step])."""
         topo = self.topology
-        self.host_limit = memory.host_limit()
+        self.node_rss = self._node_rss()
+        self.host_limit = memory.host_limit(used_bytes=self.node_rss)
         host_node, capped = host_budget_per_node(self.config.host_budget_spec, self.host_limit)
         if capped and dist.get_rank() == 0:
             logger.warning(f"fcdp: fcdp.host_budget {self.config.host_budget} exceeds the host memory this node may "
                            f"still take ({self.host_limit.describe()}, less a margin of "
                            f"{fmt_bytes(memory.host_margin(self.host_limit.bytes))}); using {fmt_bytes(host_node)}.")
-        host = host_node // topo.ranks_per_node
-        accel = 0
-        if self.config.cache_device == "device":
-            accel = self.config.device_budget_spec.resolve(get_accelerator().available_memory(), auto_fraction=0.5)
-        return host, accel
+        return host_node // topo.ranks_per_node, 0
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Collective: a flag stays true only if it is true on every rank of the DP group (planning and
+        checkpoint loads only: a blocking control read)."""
+        return self._agree(flags)
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Collective: a flag stays true only if it is true on every rank of the DP group."""
@@ -137,9 +146,8 @@ class Allocation:
                 logger.warning(
                     f"fcdp: {len(over_budget)} parameters ({fmt_bytes(self.uncached_bytes)} per rank) do not fit the "
                     f"cache budget (host {fmt_bytes(host_budget)} per rank, from {self.host_limit.describe()} less a "
-                    f"margin; device {fmt_bytes(device_budget)}) "
-                    f"and take the plain ZeRO-3 path. Raise fcdp.host_budget"
-                    f"{' or fcdp.device_budget' if self.config.cache_device == 'device' else ''} to cache them.")
+                    f"margin) and take the plain ZeRO-3 path. Raise fcdp.host_budget to cache them"
+                    f"{' (the accelerator modes start on the host and move after step 2)' if device_budget == 0 and self.config.cache_device != 'host' else ''}.")
             if degraded:
                 logger.warning(f"fcdp: cache allocation failed for {len(degraded)} parameters on at least one rank; "
                                f"they take the plain ZeRO-3 path on every rank. Training continues unchanged.")
@@ -152,34 +160,33 @@ class Allocation:
         for e in host[fits:]:
             plan[e.param.ds_id] = None
 
-    def on_step_end(self) -> None:
-        """``auto`` mode: promote once, at the boundary of step ``AUTO_PROMOTE_STEP``."""
-        self.steps += 1
-        if self.config.cache_device == "auto" and not self.promoted and self.steps >= AUTO_PROMOTE_STEP:
-            self.promoted = True
-            self._promote_to_device()
-
-    def _promote_to_device(self) -> None:
-        """``auto`` mode, after a complete step (prefetch included): move host slices to the accelerator
-        within the headroom those steps left unused (total minus the allocator's peak *reserved* memory,
-        minus ``memory.device_margin``), so the cache never takes memory a step needed. Placement only:
-        which parameters are cached does not change, so no agreement is needed.
-        """
-        acc = get_accelerator()
-        headroom = memory.auto_device_headroom(acc.total_memory(), acc.max_memory_reserved())
-        budget = min(headroom, self.config.device_budget_spec.resolve(headroom, auto_fraction=0.5))
-        host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]
-        plan = plan_placement([_request(e) for e in host], "device", host_budget=0, device_budget=budget)
-        chosen = [e for e in host if plan[e.param.ds_id] is Placement.DEVICE]
-        if not chosen:
+    def log_pinning(self) -> None:
+        """One line (rank 0): how much pinned host memory the pool took and how long pinning and zeroing took,
+        or one warning when the pool is pageable on an accelerator that could pin ([Note: pageable host memory])."""
+        pool = self.cache.pools[Placement.HOST]
+        if pool is None or dist.get_rank() != 0:
             return
-        pool = self.cache.pools[Placement.DEVICE] or SlotPool(Placement.DEVICE, pin=False)
-        self.cache.pools[Placement.DEVICE] = pool
-        moved = self.cache.move(chosen, pool)
-        self.cache.pools[Placement.HOST].release_unused(self.cache.entries.values())
-        if dist.get_rank() == 0:
-            logger.info(f"fcdp: moved {len(moved)} cached slices ({fmt_bytes(sum(e.nbytes for e in moved))}) to "
-                        f"the accelerator (headroom after step {self.steps}: {fmt_bytes(headroom)}, budget {fmt_bytes(budget)})")
+        if pool.pin:
+            logger.info(f"fcdp: allocated {fmt_bytes(pool.nbytes)} of host memory for the cache pool "
+                        f"({fmt_bytes(pool.pinned_nbytes)} page-locked, {len(pool.chunks)} chunks) in "
+                        f"{pool.alloc_seconds:.2f} s, pinning and zeroing included")
+        elif device.pins_host_memory():
+            logger.warning(pageable_warning("fcdp.pin_memory is false"))
+
+
+def offloaded_pageable(ds_config: dict) -> bool:
+    """Whether DeepSpeed keeps the parameter partitions in pageable host memory (``offload_param`` to the CPU
+    with its ``pin_memory``, false by default)."""
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    return str(offload.get("device", "none")) == "cpu" and not offload.get("pin_memory", False)
+
+
+def pageable_warning(what: str) -> str:
+    """[Note: pageable host memory] A copy between pageable host memory and the accelerator is synchronous for
+    the host: every cache fill, staged hit and node-buffer accumulation then waits for the accelerator."""
+    return (f"fcdp: {what}: FCDP's host memory is pageable, so every cache fill, staged cache hit and node-buffer "
+            f"accumulation is a synchronous copy (the host waits for the accelerator each time). Pin it "
+            f"(fcdp.pin_memory: true, the default) unless host memory cannot be page-locked.")
 
 
 #: Settings to change, by why an engine's parameters got no cache entry (``Attachment.uncached``).
@@ -206,9 +213,8 @@ def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
     reasons = [f"{count} {reason}: {_FIXES.get(reason, 'see uncached_reasons in get_stats')}"
                for reason, count in sorted(attachment.uncached.items())]
     if allocation.over_budget:
-        more = " or fcdp.device_budget" if allocation.config.cache_device == "device" else ""
         reasons.append(f"{allocation.over_budget} over the cache budget (host {fmt_bytes(allocation.host_budget)} per "
-                       f"rank, device {fmt_bytes(allocation.device_budget)}): raise fcdp.host_budget{more}")
+                       f"rank): raise fcdp.host_budget")
     if allocation.degraded:
         reasons.append(f"{allocation.degraded} whose cache allocation failed on some rank: free host memory or "
                        f"lower fcdp.host_budget")

@@ -1,19 +1,27 @@
 """Reporting: one engine's stats dictionary, and its periodic log line and monitor events."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.cache import EntryState, Placement
+from fcdp_deepspeed import comm_warmup
+from fcdp_deepspeed.cache import EntryState, Placement, SlotPool
 from fcdp_deepspeed.monitor import monitor_events
 from fcdp_deepspeed.runtime.allocation import Allocation
 from fcdp_deepspeed.runtime.attach import Attachment
+from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
+
+
+def slot_bytes(cache: Any, placement: Placement) -> int:
+    """Bytes of the slots of this rank's cached parameters in ``placement``, filled or not (what the cache
+    holds after the first forward; ``held_bytes`` is what is valid now, 0 for trainable ones after a step)."""
+    return sum(e.nbytes for e in cache.entries.values() if e.state is not EntryState.DISABLED and e.placement is placement)
 
 
 @dataclass(eq=False)
@@ -28,15 +36,25 @@ class Report:
     log_interval: int
     #: The engine's own monitor, when enabled (see ``monitor.py``).
     monitor: Optional[MonitorMaster]
+    #: The stats of the last ``[fcdp]`` line: the line reports the interval since (see ``format_stats_line``).
+    last_reported: dict = field(default_factory=dict)
+    promotion: Optional[Promotion] = None
+    #: More keys from other parts (``fcdp.param_compression``'s), merged into :meth:`stats`.
+    extra: Optional[Callable[[], dict]] = None
+
+    def due(self) -> bool:
+        """Whether this step boundary reports (the same on every rank)."""
+        return bool(self.log_interval) and self.counters.optimizer_steps % self.log_interval == 0
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
-        if self.log_interval and step % self.log_interval == 0:
+        if self.due():
             stats = self.stats()
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))
             if dist.get_rank() == 0:
-                logger.info(format_stats_line(stats))
+                logger.info(format_stats_line(stats, self.last_reported))
+            self.last_reported = stats
 
     def stats(self) -> dict:
         cache, topo, c = self.attachment.cache, self.attachment.topology, self.counters
@@ -61,6 +79,8 @@ class Report:
             "optimizer_steps": c.optimizer_steps,
             "host_cache_bytes": cache.held_bytes(Placement.HOST),
             "device_cache_bytes": cache.held_bytes(Placement.DEVICE),
+            "host_slot_bytes": slot_bytes(cache, Placement.HOST),
+            "device_slot_bytes": slot_bytes(cache, Placement.DEVICE),
             "host_pool_bytes": host_pool.nbytes if host_pool else 0,
             "device_pool_bytes": device_pool.nbytes if device_pool else 0,
             "pinned_pool_bytes": host_pool.pinned_nbytes if host_pool else 0,
@@ -76,6 +96,24 @@ class Report:
             "num_nodes": topo.num_nodes,
             "node_ranks": list(topo.node_ranks),
             "peak_device_memory_bytes": get_accelerator().max_memory_allocated(),
+            **self._memory_stats(host_pool),
         }
         out.update(self.comm.snapshot())
+        out["param_compression"] = "off"
+        if self.extra is not None:
+            out.update(self.extra())
         return out
+
+    def _memory_stats(self, host_pool: Optional[SlotPool]) -> dict:
+        """``memory``: pinning, the communicators' first use and the move to the accelerator (docs/GPU.md); one
+        dict, so per-engine byte counters (``*_bytes`` at the top level) stay counters."""
+        p = self.promotion
+        return {"memory": {
+            "host_pool_alloc_seconds": round(host_pool.alloc_seconds, 4) if host_pool else 0.0,
+            "host_pool_retired_bytes": sum(c.numel() * c.element_size() for c, _ in host_pool.retired) if host_pool else 0,
+            "comm_warmup_bytes": dict(comm_warmup.MEASURED),
+            "comm_warmup_seconds": round(sum(comm_warmup.SECONDS), 4),
+            "node_resident_bytes": self.allocation.node_rss,
+            "device_headroom_bytes": p.headroom if p is not None else None,
+            "device_budget_bytes": p.budget if p is not None else None,
+        }}

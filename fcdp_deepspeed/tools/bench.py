@@ -28,7 +28,6 @@ between forward and backward and no engine would re-gather anything (``--regime 
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gc
 import json
@@ -80,6 +79,8 @@ class BenchSpec:
     """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
     compression_block: int = 128
     """``fcdp.compression_block`` of the compressed engines."""
+    fcdp_extra: dict = field(default_factory=dict)
+    """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
 
     def layout_list(self) -> list[tuple[int, int]]:
@@ -138,6 +139,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
                   "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
         if engine_name in COMPRESSED_ENGINES:
             block["compression_block"] = s.compression_block
+        if block is not None:
+            block.update(s.fcdp_extra)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -477,51 +480,70 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _extra(ap: argparse.ArgumentParser, text: str) -> dict:
+    """``--fcdp-extra``: a JSON object of fcdp keys, checked against the config model here (not in every rank)."""
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as err:
+        ap.error(f"--fcdp-extra: not JSON ({err})")
+    if not isinstance(extra, dict):
+        ap.error("--fcdp-extra: expected a JSON object such as '{\"param_refresh_interval\": 0}'")
+    from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+    try:
+        parse_fcdp_config({"fcdp": {"enabled": True, **extra}})
+    except FCDPConfigError as err:
+        ap.error(f"--fcdp-extra: {err}")
+    return extra
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="fcdp bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="100,200,1000,10000,0", help="Mbit/s per node uplink, 0 = unlimited")
-    ap.add_argument("--jobs", default="full,lora")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ALL_ENGINES)}")
-    ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--ranks-per-node", type=int, default=2)
+    from fcdp_deepspeed.tools import args as checks
+    ap = checks.parser("fcdp bench", __doc__)
+    ap.add_argument("--rates", type=checks.number_list(checks.non_negative()), default=[100, 200, 1000, 10000, 0],
+                    help="Mbit/s per node uplink, comma-separated, 0 = unlimited (default: 100,200,1000,10000,0)")
+    ap.add_argument("--jobs", type=checks.choice_list(("full", "lora")), default=["full", "lora"],
+                    help="comma-separated, of full, lora (default: full,lora)")
+    ap.add_argument("--engines", type=checks.choice_list(ALL_ENGINES), default=list(ENGINES),
+                    help=f"comma-separated, of {', '.join(ALL_ENGINES)} (default: {','.join(ENGINES)})")
+    ap.add_argument("--nodes", type=checks.whole(2), default=2, help="emulated nodes")
+    ap.add_argument("--ranks-per-node", type=checks.whole(1), default=2, help="ranks per emulated node")
     ap.add_argument("--layout", default="", help="NODESxRANKS layouts to sweep, e.g. 2x2,2x4,4x2 (overrides --nodes "
-                    "and --ranks-per-node)")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--lora-rank", type=int, default=2)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--grad-accum", default="1", help="gradient accumulation steps to sweep, e.g. 1,4")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=3, help="fresh-process runs per engine, interleaved")
-    ap.add_argument("--regime", choices=["large", "default"], default="large")
+                    "and --ranks-per-node; default: none)")
+    ap.add_argument("--hidden", type=checks.whole(1), default=512, help="toy model width")
+    ap.add_argument("--layers", type=checks.whole(1), default=8, help="toy model depth")
+    ap.add_argument("--lora-rank", type=checks.whole(1), default=2, help="LoRA adapter rank (lora job)")
+    ap.add_argument("--micro-batch", type=checks.whole(1), default=8, help="samples per rank and micro-step")
+    ap.add_argument("--grad-accum", type=checks.number_list(checks.whole(1)), default=[1],
+                    help="gradient accumulation steps to sweep, e.g. 1,4 (default: 1)")
+    ap.add_argument("--warmup", type=checks.whole(0), default=2, help="untimed steps per run")
+    ap.add_argument("--steps", type=checks.whole(1), default=5, help="timed steps per run")
+    ap.add_argument("--repeats", type=checks.whole(1), default=3, help="fresh-process runs per engine, interleaved")
+    ap.add_argument("--regime", choices=["large", "default"], default="large", help="DeepSpeed release regime")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
                     help="fcdp.param_gather of the FCDP engines")
-    ap.add_argument("--compression-block", type=int, default=128, help="fcdp.compression_block of the compressed engines")
+    ap.add_argument("--compression-block", type=checks.whole(8), default=128,
+                    help="fcdp.compression_block of the compressed engines")
+    ap.add_argument("--fcdp-extra", default="{}", help="JSON object of more fcdp keys for every FCDP engine, "
+                    "e.g. '{\"param_refresh_interval\": 0}'")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="run a named set of sweeps instead (compression: issue "
                     "23's targets; only the model, regime and --out options apply), each into OUT/<part>, and check "
                     "the targets on all of them (OUT/targets.json, OUT/targets.md)")
-    ap.add_argument("--out", default="results/bench")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", default="results/bench", help="output directory")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines")
     args = ap.parse_args(argv)
     # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
     # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    unknown = sorted(set(args.engines.split(",")) - set(ALL_ENGINES))
-    if unknown:
-        ap.error(f"--engines: unknown {', '.join(unknown)} (choose from {', '.join(ALL_ENGINES)})")
     try:
         layouts = parse_layouts(args.layout)
     except ValueError as err:
         ap.error(f"--layout: {err}")
     spec = BenchSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, layouts=layouts,
-                     compression_block=args.compression_block,
-                     rates_mbit=[float(x) for x in args.rates.split(",")], jobs=args.jobs.split(","),
-                     engines=args.engines.split(","), hidden=args.hidden, layers=args.layers, lora_rank=args.lora_rank,
-                     micro_batch=args.micro_batch, grad_accums=[int(x) for x in args.grad_accum.split(",")],
-                     warmup=args.warmup, steps=args.steps,
-                     repeats=args.repeats,
-                     regime=args.regime, param_gather=args.param_gather)
+                     compression_block=args.compression_block, rates_mbit=[float(x) for x in args.rates],
+                     jobs=args.jobs, engines=args.engines, hidden=args.hidden, layers=args.layers,
+                     lora_rank=args.lora_rank, micro_batch=args.micro_batch, grad_accums=args.grad_accum,
+                     warmup=args.warmup, steps=args.steps, repeats=args.repeats, regime=args.regime,
+                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         if args.preset:

@@ -11,6 +11,10 @@ import torch
 
 from fcdp_deepspeed.tools.gpu_report import CaseResult, call_site
 
+#: A host wait on the two-stage gather's stage 1 longer than this (median) is a stall: on NCCL ``wait()`` only
+#: orders streams.
+STAGE1_WAIT_US = 1000
+
 
 def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_steps: int = 3) -> CaseResult:
     """World size 1. Every parameter gets a gradient in the first ``micro_steps - 1`` micro-steps; the
@@ -29,6 +33,7 @@ def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_st
     deepspeed.init_distributed(dist_backend=backend)
     device = torch.device(acc.current_device_name())
     group = dist.new_group([0])
+    _warm_up_communicators(res, dist, backend)
     cfg = parse_fcdp_config({"fcdp": {"enabled": True, "ranks_per_node": 1, "grad_accumulation": "node",
                                       "grad_buffer_device": "host"}})
     boundary = [False]
@@ -86,12 +91,24 @@ def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_st
     return res
 
 
+def _warm_up_communicators(res: CaseResult, dist, backend: str) -> None:
+    """[Note: why warm up] FCDP's warm-up on two fresh groups (the node and node-peer groups of a real layout;
+    NCCL creates a communicator per group at its first collective): accelerator memory each one took."""
+    from fcdp_deepspeed import comm_warmup
+    measured = comm_warmup.warm_up({"node": dist.new_group([0]), "node_peers": dist.new_group([0])})
+    res.numbers.update(comm_warmup_bytes=measured, comm_warmup_seconds=sum(comm_warmup.SECONDS))
+    res.check("communicator warm-up ran on both groups", set(measured) == {"node", "node_peers"}, f"{measured}")
+    res.check("communicator warm-up memory measured (NCCL, outside the caching allocator)",
+              all(v >= 0 for v in measured.values()), f"{measured} bytes", applicable=backend == "nccl")
+
+
 def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend: str = "nccl") -> dict:
     """One rank of the multi-GPU case: losses and step times per variant (``backend="gloo"`` on the
     CPU accelerator runs the same code, for development)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    import fcdp_deepspeed
     from fcdp_deepspeed.tools import toy
 
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
@@ -117,8 +134,26 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
         run = toy.train(engine, max(steps, 5), hidden=hidden, dtype=dtype)  # >= 4 timed steps after the first
         get_accelerator().synchronize()
         out[name] = {"losses": run.losses, "step_times": run.step_times}
+        if name == "host":  # one more step, traced: the two-stage gather's stages on real NCCL
+            out[name]["gather_timeline"] = _traced_step(engine, hidden, per_node)
+            stats = fcdp_deepspeed.get_stats(engine)
+            out[name]["stats"] = {k: stats.get(k) for k in ("memory", "pinned_pool_bytes", "hierarchical_gathers")}
         del engine
     return out
+
+
+def _traced_step(engine, hidden: int, per_node: int) -> dict:
+    """One step under the profiler with ranges around the two-stage gather's stages (``gpu_trace.stage_ranges``)."""
+    from fcdp_deepspeed.tools import gpu_trace, toy
+    from fcdp_deepspeed.topology import group_ranks
+
+    def spans(group) -> bool:
+        ranks = group_ranks(group)
+        return len({r // per_node for r in ranks}) == len(ranks) > 1
+
+    with gpu_trace.traced(True) as holder, gpu_trace.stage_ranges(spans):
+        toy.train(engine, 1, hidden=hidden)
+    return holder[1]
 
 
 def multi_gpu_case(results: list[dict], per_node: int) -> CaseResult:
@@ -136,6 +171,17 @@ def multi_gpu_case(results: list[dict], per_node: int) -> CaseResult:
             err = rel(run[name]["losses"], run["zero3_ga2"]["losses"])
             res.check(f"rank {r} {name}: losses within 1e-5 of ZeRO-3 (fp32)", err <= 1e-5, f"max rel {err:.2e}")
         res.numbers[f"rank{r}_bf16_max_rel_loss_diff"] = rel(run["host_bf16"]["losses"], run["zero3_bf16"]["losses"])
+    for r, run in enumerate(results):  # the two-stage gather on NCCL: see docs/GPU-check.md
+        timeline = run["host"].get("gather_timeline") or {}
+        waits = timeline.get("host_stage1_wait_us") or []
+        res.numbers[f"rank{r}_gather_timeline"] = timeline
+        res.numbers[f"rank{r}_host_stats"] = run["host"].get("stats")
+        res.check(f"rank {r}: the host does not wait for stage 1 (median wait < {STAGE1_WAIT_US} us)",
+                  statistics.median(waits) < STAGE1_WAIT_US if waits else None, f"{len(waits)} waits",
+                  applicable=bool(waits))
+        res.check(f"rank {r}: stage-2 kernels start after the stage-1 kernels before them end",
+                  timeline.get("ordered"), f"{len(timeline.get('nccl_kernels') or [])} NCCL all-gather kernels",
+                  applicable=timeline.get("ordered") is not None)
     median = {n: statistics.median(results[0][n]["step_times"][1:] or results[0][n]["step_times"])
               for n in ("zero3", "host", "device", "hpz")}
     res.numbers["rank0_median_step_seconds"] = median

@@ -99,19 +99,21 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     for _ in range(steps):
         acc.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with gpu_trace.traced(on_gpu) as holder:
+        with gpu_trace.traced(on_gpu) as holder, gpu_trace.stage_ranges(spans_nodes):
             step_losses, micro = train_step(engine, micro, hidden)
         losses += step_losses
         acc.synchronize()
         out["seconds"].append(time.perf_counter() - t0)
         out["peak_allocated"].append(acc.max_memory_allocated() - base)
         out["peak_reserved"].append(acc.max_memory_reserved() - base_reserved)
-        out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction})
+        out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction,
+                             "gather_timeline": holder[1]})
     out["losses"] = [float(v) for v in losses]
     stats = fcdp_deepspeed.get_stats(engine)
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
                                               "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
-                                              "grad_buffer_device_bytes", "grad_flushed")}
+                                              "grad_buffer_device_bytes", "grad_flushed", "memory",
+                                              "hierarchical_gathers")}
     del engine, model
     return out
 
@@ -120,8 +122,8 @@ def within(value: float, reference: float, tolerance: float = MEMORY_TOLERANCE) 
     return abs(value - reference) <= tolerance * max(reference, 1)
 
 
-def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseResult:
-    """(b) This process is rank 0 of a fake world of 4 (2 nodes x 2)."""
+def init_fake_world(res: CaseResult) -> None:
+    """This process becomes rank 0 of a fake world of 4 (2 nodes x 2), adopted by ``deepspeed.init_distributed``."""
     import torch.distributed as tdist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -129,7 +131,6 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
 
-    res = CaseResult("b_fake_pg")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2")
     get_accelerator().set_device(0)
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
@@ -137,6 +138,19 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     res.check("deepspeed.init_distributed adopts the fake group",
               dist.get_world_size() == 4 and tdist.get_backend() == "fake",
               f"world {dist.get_world_size()}, backend {tdist.get_backend()}")
+
+
+def spans_nodes(group) -> bool:
+    """Whether a group of the fake 2 x 2 layout spans nodes (stage 1 of the two-stage gather)."""
+    from fcdp_deepspeed.topology import group_ranks
+    ranks = group_ranks(group)
+    return len({r // 2 for r in ranks}) == len(ranks) > 1
+
+
+def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseResult:
+    """(b) This process is rank 0 of a fake world of 4 (2 nodes x 2)."""
+    res = CaseResult("b_fake_pg")
+    init_fake_world(res)
     on_gpu = not dry_run
     variants = {"zero3": None, "host": {"cache_device": "host"},
                 "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"},

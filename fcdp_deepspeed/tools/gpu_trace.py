@@ -91,4 +91,76 @@ def traced(device_activity: bool) -> Iterator[list]:
     holder: list = []
     with torch.profiler.profile(activities=activities) as prof:
         yield holder
-    holder.append(summarize(prof.events()))
+    events = prof.events()
+    holder += [summarize(events), gather_timeline(events)]
+
+
+# -- the two-stage gather's timeline ----------------------------------------------------------------------
+#: ``record_function`` ranges the GPU check wraps around the two-stage gather's collectives (:func:`stage_ranges`).
+STAGE_RANGES = ("fcdp.gather.stage1", "fcdp.gather.stage1.wait", "fcdp.gather.stage2")
+
+
+@contextmanager
+def stage_ranges(group_spans_nodes) -> Iterator[None]:
+    """Profiler ranges around ``runtime/gather.py``'s collectives: stage 1 (a group spanning nodes), its handle's
+    ``wait()``, stage 2 (the node group). The tool patches the module's ``dist``; FCDP's code is unchanged."""
+    from fcdp_deepspeed.runtime import gather as gather_module
+
+    comm = gather_module.dist
+
+    class _Waited:
+        def __init__(self, work) -> None:
+            self._work = work
+
+        def wait(self, *args, **kwargs):
+            with torch.profiler.record_function(STAGE_RANGES[1]):
+                return self._work.wait(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+    class _Ranged:
+        def allgather_fn(self, output_tensor, input_tensor, group=None, async_op=False, **kwargs):
+            stage1 = group_spans_nodes(group)
+            with torch.profiler.record_function(STAGE_RANGES[0] if stage1 else STAGE_RANGES[2]):
+                work = comm.allgather_fn(output_tensor, input_tensor, group=group, async_op=async_op, **kwargs)
+            return _Waited(work) if stage1 and async_op else work
+
+        def __getattr__(self, name):
+            return getattr(comm, name)
+
+    gather_module.dist = _Ranged()
+    try:
+        yield
+    finally:
+        gather_module.dist = comm
+
+
+def gather_timeline(events: Iterable) -> dict:
+    """The two-stage gathers of one traced step, from :func:`stage_ranges`' ranges and the NCCL kernels:
+
+    - ``host_stage1_to_stage2_us``: per gather, host time from issuing stage 1 to issuing stage 2 (what the host
+      spends on stage 1 before the node stage can start: its ``wait()`` included);
+    - ``host_stage1_wait_us``: the host time inside stage 1's ``wait()`` (NCCL: a stream wait, near zero; a
+      host stall shows here);
+    - ``nccl_kernels``: ``(stream, start, end)`` of each all-gather kernel; ``ordered``: on every stream pair,
+      no kernel of the second stage's stream starts before the first stage's preceding kernel ended
+      (``None`` without kernels, e.g. a fake process group).
+    """
+    ranges: dict[str, list[tuple[float, float]]] = {name: [] for name in STAGE_RANGES}
+    kernels: list[tuple[int, float, float]] = []
+    for e in events:
+        if e.name in ranges:
+            ranges[e.name].append((e.time_range.start, e.time_range.end))
+        elif e.device_type == DeviceType.CUDA and "nccl" in e.name.lower() and "allgather" in e.name.lower():
+            kernels.append((getattr(e, "device_resource_id", 0), e.time_range.start, e.time_range.end))
+    s1, s2 = sorted(ranges[STAGE_RANGES[0]]), sorted(ranges[STAGE_RANGES[2]])
+    gaps = [min((b[0] for b in s2 if b[0] >= a[0]), default=a[1]) - a[0] for a in s1]
+    kernels.sort(key=lambda k: k[1])
+    ordered = None
+    if len({k[0] for k in kernels}) >= 2:  # stage 1 and stage 2 run on their communicators' streams
+        first = kernels[0][0]
+        ordered = all(k[1] >= prev[2] for prev, k in zip(kernels, kernels[1:]) if prev[0] == first and k[0] != first)
+    return {"gathers": len(s1), "host_stage1_to_stage2_us": gaps,
+            "host_stage1_wait_us": [b - a for a, b in sorted(ranges[STAGE_RANGES[1]])],
+            "nccl_kernels": kernels, "ordered": ordered}

@@ -3,17 +3,21 @@
 """
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
 
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 import fcdp_deepspeed
-from fcdp_deepspeed import device, grads, strict_device
+from fcdp_deepspeed import device, grads, strict_device, strict_streams
 from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.compress.reference import ReferenceStore
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import setup
@@ -48,6 +52,14 @@ def sabotage(kind: str) -> None:
             device.current_stream().synchronize()
 
         NodeCache._fill = _fill
+    elif kind == "blocking_reference":  # the new reference's copy into pinned memory waited for on the host
+        original_write = ReferenceStore.write
+
+        def write(self, ref, values, *, lossy):
+            original_write(self, ref, values, lossy=lossy)
+            device.host_wait(ref.ready)
+
+        ReferenceStore.write = write
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
@@ -68,6 +80,8 @@ def sabotage(kind: str) -> None:
 
 
 def _run(sc: dict, fcdp: bool) -> dict:
+    cpu = time.process_time()
+    strict_streams.MODEL.enabled = fcdp and os.environ.get("FCDP_TEST_TRACK", "1") == "1"  # the plain run: sync baseline only
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})} if fcdp else None
     engine = grad_workers.build(sc, grad_workers._config(sc, block))
     ga, hidden = engine.gradient_accumulation_steps(), sc.get("hidden", 32)
@@ -87,12 +101,119 @@ def _run(sc: dict, fcdp: bool) -> dict:
     weights = toy.gather_weights(engine)
     return {"losses": [float(v) for v in losses], "weights": weights if dist.get_rank() == 0 else {},
             "syncs": per_step, "stats": fcdp_deepspeed.get_stats(engine), "door": type(device.current()).__name__,
-            "optimizer": type(engine.optimizer).__name__}
+            "optimizer": type(engine.optimizer).__name__, "cpu_seconds": time.process_time() - cpu}
 
 
-def strict_runs(scenarios: list[dict], break_kind: str = "") -> dict:
-    """Each scenario with plain ZeRO-3 and with FCDP, in strict device mode."""
+def strict_runs(scenarios: list[dict], break_kind: str = "", stream_breaks: list[dict] = ()) -> dict:
+    """Each scenario with plain ZeRO-3 and with FCDP, in strict device mode; then, for each of
+    ``stream_breaks`` (``{"scenario": ..., "breaks": [...]}``), one FCDP run whose step i + 1 removes ordering
+    ``breaks[i]`` (:func:`broken_ordering`), with stream-order violations collected per step instead of raised."""
     os.environ[strict_device.ENV] = "1"  # read when each engine is built
     setup(2)
     sabotage(break_kind)
-    return {sc["name"]: {mode: _run(sc, mode == "fcdp") for mode in ("plain", "fcdp")} for sc in scenarios}
+    out = {sc["name"]: {mode: _run(sc, mode == "fcdp") for mode in ("plain", "fcdp")} for sc in scenarios}
+    for spec in stream_breaks:
+        out[f"broken:{spec['scenario']['name']}"] = _run_broken(spec["scenario"], spec["breaks"])
+    return out
+
+
+# -- stream orderings removed one at a time (the stream-order model must name each) ----------------------
+class _Patches:
+    """Attributes replaced for one step, restored after."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple] = []
+
+    def set(self, obj, name: str, value) -> None:
+        self.saved.append((obj, name, obj.__dict__[name] if name in obj.__dict__ else _MISSING))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        for obj, name, old in reversed(self.saved):
+            delattr(obj, name) if old is _MISSING else setattr(obj, name, old)
+        self.saved.clear()
+
+
+_MISSING = object()
+
+
+def _stream_named(name: str):
+    return strict_streams.MODEL.current().name == name
+
+
+def broken_ordering(kind: str, patches: _Patches) -> None:
+    """Remove one of FCDP's stream orderings (the door of this process is the strict door)."""
+    door = device.current()
+    wait_event, wait_stream, record_stream = door.wait_event, door.wait_stream, door.record_stream
+    origin = lambda ev: getattr(getattr(ev, "stream", None), "name", "")  # noqa: E731
+    if kind == "fill_ready":  # fills record no event: nothing waits for the copy into the slot
+        original = NodeCache._fill
+
+        def _fill(self, entry, refresh):
+            original(self, entry, refresh)
+            entry.ready = None
+
+        patches.set(NodeCache, "_fill", _fill)
+    elif kind == "staged_event":  # the all-gather stream does not wait for the staged copies
+        patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_param_h2d" and not _stream_named(
+            "fcdp_param_h2d") else wait_event(ev))
+    elif kind == "staged_record_stream":  # staged copies dropped without record_stream on the all-gather stream
+        patches.set(door, "record_stream", lambda t: None if _stream_named("ds_allgather") else record_stream(t))
+    elif kind == "flush_wait":  # the step's stream does not wait for the flush on the reduce stream
+        patches.set(door, "wait_stream", lambda st: None if getattr(st, "name", "") == "ds_reduce_and_partition"
+                    else wait_stream(st))
+    elif kind == "grad_buffer_sums":  # the buffer's stream does not wait for the node sums
+        patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_grad_buffer") else wait_event(ev))
+    elif kind == "grad_buffer_done":  # take() does not wait for the slot's round trip
+        patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_grad_buffer" and not _stream_named(
+            "fcdp_grad_buffer") else wait_event(ev))
+    elif kind == "grad_buffer_record_stream":  # the node sums dropped without record_stream on the buffer's stream
+        patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_grad_buffer") else record_stream(t))
+    elif kind == "two_stage_gather":  # stage 2 does not wait for stage 1 (the peer group's all-gather)
+        patches.set(strict_streams._Work, "wait", _stage1_not_waited)
+    elif kind == "deferred_release":  # emptied pinned chunks dropped without asking the move's event
+        patches.set(door, "event_done", lambda ev: True)
+    else:
+        raise ValueError(kind)
+
+
+def _stage1_not_waited(work, *args, **kwargs):
+    """``wait()`` of a collective over one rank per node (the two-stage gather's stage 1): gloo finishes (values
+    stay right) but nothing is ordered, what dropping ``stage1.wait()`` does on NCCL.
+    [Note: when _issue_one moves stage 1 to a side stream with an event] this break becomes "drop the wait on
+    that event" (a predicate on the event's stream, as ``staged_event`` above); the test keeps its name."""
+    ranks = getattr(work.stream, "ranks", ())
+    if len(ranks) > 1 and len({r // 2 for r in ranks}) == len(ranks):  # 2 ranks per node
+        return work._work.wait(*args, **kwargs)
+    return _ORIGINAL_WAIT(work, *args, **kwargs)
+
+
+_ORIGINAL_WAIT = strict_streams._Work.wait
+
+
+def _run_broken(sc: dict, breaks: list[str]) -> dict:
+    """One FCDP run of ``sc``: step 1 clean, step i + 2 without ordering ``breaks[i]``; violations per step."""
+    model = strict_streams.MODEL
+    model.enabled, model.raise_errors = True, False
+    block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})}
+    engine = grad_workers.build(sc, grad_workers._config(sc, block))
+    patches, found, micro = _Patches(), {}, 0
+    try:
+        for kind in ["clean"] + list(breaks):
+            mark = len(model.violations)
+            if kind != "clean":
+                broken_ordering(kind, patches)
+            try:
+                for _ in range(engine.gradient_accumulation_steps()):
+                    x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), sc.get("hidden", 32))
+                    engine.backward(F.mse_loss(engine(x, **grad_workers.gate(sc, micro)), y))
+                    engine.step()
+                    micro += 1
+            finally:
+                patches.undo()
+            gc.collect()  # frees run their checks now, inside this step
+            found[kind] = model.violations[mark:]
+            get_accelerator().synchronize()  # the host waits for every stream: nothing of this step lingers
+    finally:
+        model.raise_errors = True
+    return found

@@ -84,7 +84,7 @@ def trainer_stats_runs(ds_config: str, steps: int = 4) -> dict:
         out.update(seen=seen, history=trainer.state.log_history, stats=fcdp_deepspeed.get_stats(trainer.model_wrapped),
                    fcdp_lines=[m for m in log.messages[first:] if m.startswith("[fcdp]")],
                    steps_per_print=trainer.model_wrapped.steps_per_print(),
-                   monitor_csv=_read(os.path.join(out_dir, "run", "FCDP_inter_node_allgather_bytes.csv")))
+                   monitor_csv=_read(os.path.join(out_dir, "run", "fcdp_inter_node_allgather_bytes.csv")))
         return out
 
     block = {"enabled": True, "ranks_per_node": 2, "log_interval": 2, **ZERO3_GRADS}

@@ -1,0 +1,60 @@
+"""The one line that says FCDP is on: logged by rank 0 at WARNING when an FCDP engine is built.
+
+[Note: why WARNING] DeepSpeed's logger starts at WARNING, and every other FCDP line is INFO, so a user
+who added ``"fcdp": {"enabled": true}`` would otherwise see nothing and could not tell FCDP from plain
+ZeRO-3. One line per engine names what it runs: the layout, where the cache lives and its budget, the
+parameter gather, the gradient modes and whether anything is compressed (lossy).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from fcdp_deepspeed.cache import EntryState, Placement
+from fcdp_deepspeed.stats import fmt_bytes
+
+
+def compression_words(config: Any) -> str:
+    """``exact (no compression)`` or ``LOSSY int8/int4 ...`` for the block's compression keys."""
+    param, grad = getattr(config, "param_compression", "off"), getattr(config, "grad_compression", "off")
+    if param == "off" and grad == "off":
+        return "exact (param_compression and grad_compression off)"
+    codecs = "/".join(sorted({c for c in (param, grad) if c != "off"}, reverse=True))
+    return (f"LOSSY {codecs}: param_compression {param}, grad_compression {grad}, "
+            f"block {getattr(config, 'compression_block', 128)}")
+
+
+def _cache_words(runtime: Any) -> str:
+    cache, allocation, topo = runtime.cache, runtime.allocation, runtime.topology
+    entries = list(cache.entries.values())
+    cached = [e for e in entries if e.state is not EntryState.DISABLED]
+    if topo.num_nodes == 1:
+        return "no cache (one node: nothing to save across nodes)"
+    where = {p.value: sum(e.nbytes for e in cached if e.placement is p) for p in Placement}
+    slots = " + ".join(f"{fmt_bytes(n)} {name}" for name, n in where.items() if n) or "0 B"
+    host_node = allocation.host_budget * topo.ranks_per_node
+    budget = f"host budget {fmt_bytes(host_node)} per node (fcdp.host_budget {runtime.config.host_budget!r})"
+    if runtime.config.cache_device == "device":
+        budget += f", device budget {fmt_bytes(allocation.device_budget)} per rank"
+    return (f"cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of {len(entries)} parameters "
+            f"cached, slots per rank: {slots}")
+
+
+def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
+    """The line for one engine: ``runtime`` an :class:`~fcdp_deepspeed.runtime.FCDPRuntime`, ``grad_plan``
+    its :class:`~fcdp_deepspeed.plan.GradPlan` (``None``: an engine without an optimizer)."""
+    topo, config = runtime.topology, runtime.config
+    grads = ("no optimizer, no gradients" if grad_plan is None else
+             f"grad_reduce {grad_plan.grad_reduce}, grad_accumulation {grad_plan.grad_accumulation}")
+    return (f"fcdp: ON for this engine: {topo.num_nodes} nodes x {topo.ranks_per_node} ranks per node "
+            f"(from {topo.source}); {_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
+            f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
+            f"{runtime.log_interval or 'no'} steps at INFO.")
+
+
+def announce(runtime: Any, grad_plan: Optional[Any]) -> None:
+    """Log :func:`engine_line` once, on rank 0, at WARNING (see the module note)."""
+    if dist.get_rank() == 0:
+        logger.warning(engine_line(runtime, grad_plan))

@@ -1,0 +1,250 @@
+"""``fcdp doctor``: is FCDP installed and on in this environment, and what would this config do?
+
+    fcdp doctor                                   # the installation only
+    fcdp doctor ds_config.json --nodes 4 --ranks-per-node 8
+
+Checks, each ``ok``, ``WARN`` or ``FAIL`` with what to do about it: the installed torch and DeepSpeed and
+whether the version gate admits them; whether the startup file (``fcdp_deepspeed_autoload.pth``) is
+installed where this interpreter runs it, and whether it ran here; the config read as DeepSpeed reads it
+(hjson) and as the HF Trainer and accelerate read it (strict JSON); the ``"fcdp"`` block validated with
+every problem listed at once (misplaced or misspelled blocks included); and, for a layout, the plan the
+block resolves to (cache placement and budget, parameter gather, gradient modes, compression), through
+the same functions an engine uses. Exit status 1 when any check fails.
+
+Run it with the interpreter the job uses (``python -m fcdp_deepspeed.tools.doctor`` is the same command):
+the startup file only runs in interpreters whose site-packages holds it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import site
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from fcdp_deepspeed.tools import args as checks
+
+PTH = "fcdp_deepspeed_autoload.pth"
+#: Whether the startup file ran in this interpreter: read before anything here imports the hook's modules.
+HOOK_RAN_AT_START = "fcdp_deepspeed_autoload" in sys.modules
+
+
+@dataclass
+class Check:
+    area: str
+    status: str
+    """``ok``, ``WARN`` or ``FAIL``."""
+    message: str
+    fix: str = ""
+
+
+def _version(dist: str) -> Optional[str]:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _install_kind() -> str:
+    from importlib import metadata
+    try:
+        text = metadata.distribution("fcdp-deepspeed").read_text("direct_url.json") or "{}"
+    except metadata.PackageNotFoundError:
+        return "no installed distribution (imported from a path)"
+    editable = json.loads(text).get("dir_info", {}).get("editable", False)
+    return "editable install" if editable else "installed"
+
+
+def installation_checks() -> list[Check]:
+    """The package, torch, DeepSpeed and the startup file."""
+    import fcdp_deepspeed
+    from fcdp_deepspeed.version import __version__
+    from fcdp_deepspeed.version_gate import (ALLOW_UNTESTED_ENV, TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION,
+                                             deepspeed_requirement, suggested_release, version_is_tested)
+    out = [Check("install", "ok", f"fcdp-deepspeed {__version__} ({_install_kind()}) at "
+                                  f"{os.path.dirname(fcdp_deepspeed.__file__)}, Python {sys.version.split()[0]}")]
+    torch_v = _version("torch")
+    if torch_v is None:
+        out.append(Check("install", "FAIL", "torch is not installed", "pip install torch (CI runs torch==2.13.0)"))
+    else:
+        tested = torch_v.split("+")[0] == TESTED_TORCH_VERSION
+        out.append(Check("install", "ok" if tested else "WARN", f"torch {torch_v}" + (
+            " (the release CI runs)" if tested else f": untested (CI runs {TESTED_TORCH_VERSION}; the package allows torch>=2.0)")))
+    ds_v = _version("deepspeed")
+    tested_list = ", ".join(TESTED_DEEPSPEED_VERSIONS)
+    if ds_v is None:
+        out.append(Check("install", "FAIL", "DeepSpeed is not installed",
+                         f"pip install \"{deepspeed_requirement()}\" (tested: {tested_list})"))
+    elif version_is_tested(ds_v):
+        forced = ds_v.split("+")[0] not in TESTED_DEEPSPEED_VERSIONS
+        out.append(Check("install", "WARN" if forced else "ok", f"deepspeed {ds_v}: " + (
+            f"untested, admitted because {ALLOW_UNTESTED_ENV}=1" if forced else f"a tested release ({tested_list})")))
+    else:
+        out.append(Check("install", "FAIL", f"deepspeed {ds_v}: the version gate refuses it (tested: {tested_list}); "
+                         f"a config with an enabled block fails at deepspeed.initialize",
+                         f"pip install deepspeed=={suggested_release(ds_v)}, or {ALLOW_UNTESTED_ENV}=1 to run untested"))
+    return out + startup_checks()
+
+
+def startup_checks() -> list[Check]:
+    """Whether the startup file is where this interpreter runs it, and whether it ran."""
+    from fcdp_deepspeed.autoload import AUTOLOAD_ENV, autoload_enabled
+    dirs = [d for d in site.getsitepackages() + [site.getusersitepackages()] if d]
+    found = [d for d in dirs if os.path.exists(os.path.join(d, PTH))]
+    fallback = ("call fcdp_deepspeed.install() before building the model, or launch with "
+                "`python -m fcdp_deepspeed.run train.py ...` (docs/activation.md)")
+    out = []
+    if found:
+        out.append(Check("startup", "ok", f"startup file {PTH} in {found[0]}"))
+    else:
+        out.append(Check("startup", "FAIL", f"no {PTH} in this interpreter's site-packages ({', '.join(dirs)}): "
+                         f"installed with `pip install --target`, via PYTHONPATH, or a copied checkout? Then nothing "
+                         f"turns FCDP on and DeepSpeed ignores the \"fcdp\" block",
+                         "pip install the package into this environment (no --target), or " + fallback))
+    if HOOK_RAN_AT_START and autoload_enabled():
+        out.append(Check("startup", "ok", "the startup file ran in this interpreter: importing deepspeed installs FCDP"))
+    elif not autoload_enabled():
+        out.append(Check("startup", "WARN", f"{AUTOLOAD_ENV}={os.environ.get(AUTOLOAD_ENV)}: the startup file installs "
+                         f"nothing, so a config's \"fcdp\" block is ignored", f"unset {AUTOLOAD_ENV}, or " + fallback))
+    elif sys.flags.no_site:
+        out.append(Check("startup", "FAIL", "python -S: no site-packages startup files run",
+                         "run without -S, or " + fallback))
+    elif found:
+        out.append(Check("startup", "FAIL", "the startup file did not run in this interpreter",
+                         "check that this is the interpreter the package was installed into, or " + fallback))
+    return out
+
+
+def config_checks(path: str) -> tuple[list[Check], Optional[dict]]:
+    """The config as DeepSpeed and as HF/accelerate read it, and every problem of its block."""
+    import hjson
+    try:
+        with open(path) as f:
+            text = f.read()
+        cfg = hjson.loads(text)
+    except (OSError, hjson.HjsonDecodeError) as err:
+        return [Check("config", "FAIL", f"{path}: cannot be read as DeepSpeed reads it (hjson): {err}",
+                      "give the path of a JSON/HJSON DeepSpeed config")], None
+    if not isinstance(cfg, dict):
+        return [Check("config", "FAIL", f"{path} holds {type(cfg).__name__}, not a config object")], None
+    out = [Check("config", "ok", f"{path}: read as DeepSpeed reads it (hjson)")]
+    try:
+        json.loads(text)
+    except ValueError as err:
+        out.append(Check("config", "WARN", f"not strict JSON ({err}): HF TrainingArguments(deepspeed=path) and "
+                         f"accelerate's DeepSpeedPlugin read it with json.load and fail",
+                         "remove comments and trailing commas if the HF Trainer or accelerate uses this file"))
+    return out + block_checks(dict(cfg)), dict(cfg)
+
+
+def block_checks(cfg: dict) -> list[Check]:
+    """Every problem of the block at once: placement, each bad key, the DeepSpeed settings it cannot run with."""
+    from fcdp_deepspeed.config import (FCDPConfigError, check_ds_config_compatible, grad_path_blockers,
+                                       parse_fcdp_config, placement_problems)
+    from fcdp_deepspeed.config_errors import near_fcdp
+    out = [Check("block", "FAIL", p.split(" Fix: ")[0], p.split(" Fix: ")[-1] if " Fix: " in p else "")
+           for p in placement_problems(cfg)]
+    if "fcdp" not in cfg:  # a misplaced or misspelled block: check what it says as if it sat where it belongs
+        zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+        stray = [v for k, v in list(cfg.items()) + list(zero.items()) if near_fcdp(k)]
+        if stray:
+            cfg = {**cfg, "fcdp": stray[0],
+                   "zero_optimization": {k: v for k, v in zero.items() if not near_fcdp(k)}}
+    raw = cfg.get("fcdp")
+    try:
+        enabled = parse_fcdp_config(cfg).enabled
+    except FCDPConfigError as err:
+        out += [Check("block", "FAIL", p.split(" Fix: ")[0], p.split(" Fix: ")[1] if " Fix: " in p else "")
+                for p in err.problems]
+        enabled = None
+    if enabled is False:
+        return out + [Check("block", "WARN", "no enabled \"fcdp\" block: this config runs plain ZeRO-3",
+                            "add \"fcdp\": {\"enabled\": true} at the top level")]
+    if enabled is None and not (raw is True or isinstance(raw, dict) and raw.get("enabled") is True):
+        return out
+    if enabled:
+        out.append(Check("block", "ok", "the \"fcdp\" block is valid and enabled"))
+    try:
+        check_ds_config_compatible(cfg)
+    except FCDPConfigError as err:
+        out.append(Check("block", "FAIL", str(err).split(" Fix: ")[0], str(err).split(" Fix: ", 1)[-1]))
+    out += [Check("block", "WARN", f"gradient modes fall back to DeepSpeed's path: {b.split(' Fix: ')[0]}",
+                  b.split(" Fix: ")[-1]) for b in grad_path_blockers(cfg)]
+    return out
+
+
+def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
+    """What an engine would run with this block on N nodes x L ranks: the functions engines use."""
+    from fcdp_deepspeed import memory
+    from fcdp_deepspeed.announce import compression_words
+    from fcdp_deepspeed.config import grad_accumulation_blockers, grad_path_blockers, parse_fcdp_config
+    from fcdp_deepspeed.plan import resolve_grad_plan
+    from fcdp_deepspeed.runtime.allocation import host_budget_per_node
+    from fcdp_deepspeed.stats import fmt_bytes
+
+    block = parse_fcdp_config(cfg)
+    ga = cfg.get("gradient_accumulation_steps")
+    ga = ga if isinstance(ga, int) and not isinstance(ga, bool) and ga >= 1 else 1
+    grads = resolve_grad_plan(block.grad_reduce, block.grad_accumulation, nodes, ranks_per_node, ga,
+                              grad_path_blockers(cfg), grad_accumulation_blockers(cfg))
+    accumulation = f"{grads.grad_accumulation} ({grads.accumulation_reason})"
+    if "buffer not measured" in grads.accumulation_reason:
+        accumulation = ("node if the buffer (1/L of the trainable parameters per rank, fp32) fits "
+                        f"fcdp.grad_buffer_budget {block.grad_buffer_budget!r} when the engine is built, else rank")
+    limit = memory.host_limit()
+    host_node, _ = host_budget_per_node(block.host_budget_spec, limit)
+    cache = ("none: one node, nothing to save across nodes" if nodes == 1 else
+             f"cache_device {block.cache_device}, host budget {fmt_bytes(host_node)} per node on this machine "
+             f"({block.host_budget!r} of {limit.describe()}), {fmt_bytes(host_node // ranks_per_node)} per rank")
+    return {"layout": f"{nodes} nodes x {ranks_per_node} ranks per node", "cache": cache,
+            "param_gather": block.resolved_param_gather(nodes, ranks_per_node),
+            "grad_reduce": f"{grads.grad_reduce} ({grads.reduce_reason})", "grad_accumulation": accumulation,
+            "compression": compression_words(block)}
+
+
+def run(config: Optional[str], nodes: Optional[int], ranks_per_node: Optional[int]) -> tuple[list[Check], dict]:
+    results = installation_checks()
+    plan: dict = {}
+    if config:
+        more, cfg = config_checks(config)
+        results += more
+        block = (cfg or {}).get("fcdp") if isinstance((cfg or {}).get("fcdp"), dict) else {}
+        L = ranks_per_node or block.get("ranks_per_node")
+        if cfg is not None and not any(c.status == "FAIL" and c.area == "block" for c in results):
+            if nodes and isinstance(L, int) and L >= 1:
+                plan = resolved_plan(cfg, nodes, L)
+            else:
+                results.append(Check("plan", "WARN", "no layout given: the plan is not shown",
+                                     "add --nodes N --ranks-per-node L (the job's layout)"))
+    return results, plan
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = checks.parser("fcdp doctor", __doc__)
+    ap.add_argument("config", nargs="?", help="a DeepSpeed config (JSON/HJSON) to check")
+    ap.add_argument("--nodes", type=checks.whole(1), help="N, nodes of the job (for the plan)")
+    ap.add_argument("--ranks-per-node", type=checks.whole(1), help="L, ranks per node (default: the block's "
+                                                                    "ranks_per_node)")
+    ap.add_argument("--json", action="store_true", help="print JSON")
+    args = ap.parse_args(argv)
+    results, plan = run(args.config, args.nodes, args.ranks_per_node)
+    failed = sum(c.status == "FAIL" for c in results)
+    warned = sum(c.status == "WARN" for c in results)
+    if args.json:
+        print(json.dumps({"checks": [asdict(c) for c in results], "plan": plan, "failed": failed}, indent=1))
+        return 1 if failed else 0
+    for c in results:
+        print(f"{c.status:<5} {c.area:<8} {c.message}" + (f"\n{'':<15}fix: {c.fix}" if c.fix and c.status != "ok" else ""))
+    if plan:
+        print(f"\nplan for {plan.pop('layout')}:")
+        for key, value in plan.items():
+            print(f"  {key:<17} {value}")
+    verdict = "" if failed or not args.config else ": FCDP can run here with this config"
+    print(f"\n{failed} failed, {warned} {'warning' if warned == 1 else 'warnings'}{verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

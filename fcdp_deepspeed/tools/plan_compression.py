@@ -1,0 +1,56 @@
+"""The planner's model of the compressed inter-node hop (``fcdp.param_compression``/``grad_compression``).
+
+One function, :func:`compressed_step`, holds the whole byte and memory model, so it can be checked
+against the compressed paths' counters once they run (issue 23):
+
+- **parameter stage** (stage 1 of the two-stage gather, among node peers): once per optimizer step each
+  owner's partition of every changed (trainable) parameter crosses into each other node as one message
+  of ``wire_bytes(codec, ceil(numel / W))`` bytes; over the cluster that is ``(N - 1) * W`` messages per
+  parameter (exact: ``(N - 1)`` x the parameter's bytes);
+- **gradient stage** (the inter-node stage of the hierarchical reduce-scatter): each rank sends its
+  node's sum of its chunk to the N - 1 other node peers as ``N - 1`` rows of ``ceil(numel / W)`` values,
+  once per optimizer step with ``grad_accumulation: node``;
+- **memory**: references (the trainable parameters' stage-1 bundles the deltas are taken against): 1/L
+  of the trainable parameters per rank in the parameter dtype; error-feedback residuals: 1/L of the
+  trainable parameters per rank in fp32, twice that with fp16 dynamic loss scaling (a pending copy keeps
+  a skipped step from touching them).
+
+Wire bytes per message are :func:`fcdp_deepspeed.compress.wire_bytes`, i.e. the codec's own
+``wire_numel``: ``ceil(n / block)`` fp32 scales plus the codes of whole blocks (the last one
+zero-padded), ``ceil(n / block) * (4 + block)`` for int8 and ``ceil(n / block) * (4 + block / 2)`` for
+int4. Without per-message sizes (``param_numels``) the trainable parameters are modelled as one tensor,
+which undercounts the padding of each message's last block (under ``block`` bytes per message).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+#: Compression settings the planner shows rows for, as (param_compression, grad_compression).
+SETTINGS = (("int8", "off"), ("off", "int8"), ("int8", "int8"), ("int4", "off"), ("off", "int4"), ("int4", "int4"))
+
+
+def compressed_step(nodes: int, ranks_per_node: int, trainable_numel: float, dtype_bytes: int,
+                    param_compression: str = "off", grad_compression: str = "off", block: int = 128,
+                    fp16_dynamic_loss_scale: bool = False,
+                    param_numels: Optional[Sequence[int]] = None) -> dict:
+    """Inter-node bytes per optimizer step (cluster total: the sum over node uplinks) of the compressed
+    stages, and the extra memory per rank, for N nodes x L ranks (see the module doc). ``off`` gives the
+    exact stage's bytes, so ``compressed_step(..., "off", "off")`` is ``fcdp_node``'s trainable traffic."""
+    from fcdp_deepspeed.compress import wire_bytes
+
+    n, L = nodes, ranks_per_node
+    w = n * L
+    sizes = list(param_numels) if param_numels is not None else [int(round(trainable_numel))]
+    if n <= 1 or L <= 1 or not sizes or sum(sizes) == 0:
+        return {"param_stage_bytes": 0.0, "grad_stage_bytes": 0.0, "total_bytes": 0.0,
+                "reference_bytes_per_rank": 0.0, "residual_bytes_per_rank": 0.0, "applies": False}
+    messages = (n - 1) * w  # per parameter (or gradient bucket), over the cluster
+    param_stage = messages * sum(wire_bytes(param_compression, math.ceil(s / w), block, dtype_bytes) for s in sizes)
+    grad_stage = messages * sum(wire_bytes(grad_compression, math.ceil(s / w), block, dtype_bytes) for s in sizes)
+    per_rank = sum(sizes) / L
+    references = per_rank * dtype_bytes if param_compression != "off" else 0.0
+    residuals = per_rank * 4 * (2 if fp16_dynamic_loss_scale else 1) if grad_compression != "off" else 0.0
+    return {"param_stage_bytes": float(param_stage), "grad_stage_bytes": float(grad_stage),
+            "total_bytes": float(param_stage + grad_stage), "reference_bytes_per_rank": float(references),
+            "residual_bytes_per_rank": float(residuals), "applies": True}

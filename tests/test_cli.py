@@ -1,0 +1,135 @@
+"""The ``fcdp`` command as a user meets it: every subcommand refuses bad input with one line naming the
+option (exit 2, no traceback), shows its defaults in ``--help`` under its own name, and ``fcdp plan``
+labels its units and echoes its assumptions; ``fcdp doctor`` lists every problem it finds."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fcdp_deepspeed.tools import cli, doctor, planner
+from fcdp_deepspeed.tools.plan_compression import compressed_step
+
+PLAN = ["--params", "7B", "--nodes", "4", "--ranks-per-node", "8"]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's exit
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["plan", *PLAN, "--nodes", "0"], "argument --nodes: expected a whole number >= 1, got '0'"),
+    (["plan", *PLAN, "--inter-gbps", "0"], "argument --inter-gbps: expected a number > 0, got '0'"),
+    (["plan", *PLAN, "--ranks-per-node", "-1"], "argument --ranks-per-node: expected a whole number >= 1"),
+    (["plan", *PLAN, "--trainable-fraction", "2"], "argument --trainable-fraction: expected a fraction in (0, 1]"),
+    (["plan", *PLAN, "--config", "/no/such/ds.json"], "argument --config: cannot read /no/such/ds.json"),
+    (["plan", *PLAN, "--trainable-fraction", "0.5", "--no-backward-fraction", "0.6"], "no_backward_fraction = 0.6"),
+    (["plan", "--params", "lots", "--nodes", "2", "--ranks-per-node", "2"], "argument --params: expected a parameter count"),
+    (["plan", *PLAN, "--device-used-gib", "90"], "device_used_bytes"),
+    (["demo", "--steps", "1"], "argument --steps: expected a whole number >= 2"),
+    (["bench", "--engines", "zero3,zero4"], "argument --engines: expected a comma-separated list of"),
+    (["bench", "--rates", "100,fast"], "argument --rates: expected a number >= 0, got 'fast'"),
+    (["doctor", "--nodes", "0"], "argument --nodes: expected a whole number >= 1"),
+])
+def test_bad_input_is_one_line_naming_the_option(argv, needle, capsys):
+    code, out, err = run(argv, capsys)
+    assert code == 2 and needle in err and "Traceback" not in err + out, err
+
+
+def test_unknown_command_is_named_with_the_nearest(capsys):
+    code, _, err = run(["plna"], capsys)
+    assert code == 2 and "unknown command 'plna' (did you mean 'plan'?)" in err and "usage: fcdp" in err
+    code, out, _ = run(["--version"], capsys)
+    assert code == 0 and out.startswith("fcdp-deepspeed ")
+
+
+@pytest.mark.parametrize("command", ["plan", "demo", "bench", "doctor"])
+def test_help_names_the_subcommand_and_its_defaults(command, capsys):
+    code, out, _ = run([command, "--help"], capsys)
+    assert code == 0 and out.startswith(f"usage: fcdp {command} ")
+    if command != "doctor":
+        assert "(default: " in out
+    if command == "plan":
+        for default in ("(default: 10.0)", "(default: 1024.0)", "(default: 80.0)", "(default: 1.0)"):
+            assert default in out, default
+
+
+def test_plan_labels_units_and_echoes_assumptions(capsys):
+    """7B, 4 x 8, 10 Gbit/s: the cluster total is N x the per-uplink bytes, and the step bound is the per-uplink
+    bytes over the uplink speed (the numbers the issue found unlabelled: 162.75 GB next to 32.55 s)."""
+    code, out, _ = run(["plan", *PLAN, "--inter-gbps", "10", "--json"], capsys)
+    result = json.loads(out)
+    z3 = result["engines"]["zero3"]
+    assert z3["inter_node_bytes_per_step"] == pytest.approx(162.75e9)
+    assert z3["inter_node_bytes_per_uplink_per_step"] == pytest.approx(162.75e9 / 4)
+    assert z3["step_time_lower_bound_s"] == pytest.approx(162.75e9 / 4 / (10e9 / 8)) == pytest.approx(32.55)
+    assert any("10 Gbit/s per node uplink" in a and "1200 Gbit/s per accelerator inside a node*" in a
+               for a in result["assumptions"])
+    code, out, _ = run(["plan", *PLAN], capsys)
+    assert "'cluster' = summed over all node uplinks" in out and "per uplink" in out and "GiB/node" in out
+    assert "assumptions (* = default" in out and "1024 GiB host RAM per node*" in out
+    assert " GB" not in out.replace("GiB", "")  # one unit: GiB
+    assert "151.57" in out and "37.89" in out  # 162.75e9 B and a quarter of it, in GiB
+    assert "compressed (LOSSY)" in out
+
+
+def test_compressed_model_is_the_codec_wire_size():
+    """Per message the codec's wire size (``compress.wire_bytes``); ``off`` is fcdp_node's exact trainable traffic;
+    references 1/L of the trainable parameters per rank in the parameter dtype, residuals the same in fp32,
+    doubled with fp16 dynamic loss scaling."""
+    n_nodes, L, numel, block = 4, 8, 10_000_000, 128
+    w, per_owner = n_nodes * L, math.ceil(10_000_000 / 32)
+    exact = compressed_step(n_nodes, L, numel, dtype_bytes=2)
+    assert exact["param_stage_bytes"] == exact["grad_stage_bytes"] == (n_nodes - 1) * numel * 2  # (N-1) x t
+    int8 = compressed_step(n_nodes, L, numel, 2, "int8", "int8", block)
+    assert int8["param_stage_bytes"] == (n_nodes - 1) * w * math.ceil(per_owner / block) * (4 + block)
+    int4 = compressed_step(n_nodes, L, numel, 2, "off", "int4", block)
+    assert int4["grad_stage_bytes"] == (n_nodes - 1) * w * math.ceil(per_owner / block) * (4 + block // 2)
+    assert int4["param_stage_bytes"] == exact["param_stage_bytes"] and int4["reference_bytes_per_rank"] == 0
+    assert int8["reference_bytes_per_rank"] == numel / L * 2 and int8["residual_bytes_per_rank"] == numel / L * 4
+    fp16 = compressed_step(n_nodes, L, numel, 2, "off", "int8", block, fp16_dynamic_loss_scale=True)
+    assert fp16["residual_bytes_per_rank"] == 2 * int8["residual_bytes_per_rank"]
+    assert not compressed_step(1, 8, numel, 2, "int8", "int8")["applies"]  # one node: no inter-node stage
+    # in the plan: rows on top of fcdp_node, fewer bytes than it, none for one node
+    result = planner.plan(planner.ClusterSpec(params=7e9, nodes=4, ranks_per_node=8))
+    node = result["engines"]["fcdp_node"]["inter_node_bytes_per_step"]
+    rows = {(r["param_compression"], r["grad_compression"]): r for r in result["compressed"]}
+    assert len(rows) == 6 and all(r["inter_node_bytes_per_step"] < node for r in rows.values())
+    assert rows[("int4", "int4")]["inter_node_bytes_per_step"] < rows[("int8", "int8")]["inter_node_bytes_per_step"]
+    assert planner.plan(planner.ClusterSpec(params=7e9, nodes=1, ranks_per_node=8))["compressed"] == []
+
+
+def test_doctor_lists_every_problem_of_a_block_at_once(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": 2, "fcdp": {"enabled": true, "host_budget": 0.5, '
+                   '"cache_devcie": "host"}}}')
+    checks, plan = doctor.run(str(cfg), 2, 8)
+    fails = [c.message for c in checks if c.status == "FAIL" and c.area == "block"]
+    assert len(fails) == 4 and plan == {}, fails
+    assert "belongs at the top level" in fails[0] and "fcdp.host_budget = 0.5" in fails[1]
+    assert "did you mean cache_device" in fails[2] and "got stage 2" in fails[3]
+    assert any('"50%"' in c.fix for c in checks)
+
+
+def test_doctor_resolves_the_plan_for_a_layout(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4, '
+                   '"fcdp": {"enabled": true, "param_compression": "int8"}}')
+    checks, plan = doctor.run(str(cfg), 2, 8)
+    assert not [c for c in checks if c.area in ("config", "block") and c.status != "ok"], checks
+    assert plan["param_gather"] == "hierarchical" and plan["grad_reduce"].startswith("hierarchical")
+    assert "LOSSY int8" in plan["compression"] and "per rank" in plan["cache"]
+    _, one_node = doctor.run(str(cfg), 1, 8)
+    assert one_node["cache"].startswith("none: one node") and one_node["param_gather"] == "flat"
+
+
+def test_doctor_says_when_the_startup_file_installs_nothing(monkeypatch):
+    monkeypatch.setenv("FCDP_AUTOLOAD", "0")
+    warn = [c for c in doctor.startup_checks() if c.status != "ok"]
+    assert warn and "FCDP_AUTOLOAD=0" in warn[0].message and "fcdp_deepspeed.install()" in warn[0].fix
