@@ -128,6 +128,16 @@ class CompressionSteps:
     #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
     _fcdp_stepping = False
 
+    def _attach_compression(self, fcdp_config, trainable: list) -> None:
+        """The envelope's parts: the runtime's parameter references, the gradient compressor's residuals."""
+        self.fcdp_state = CompressionState()
+        if self.fcdp.compression_state is not None:
+            self.fcdp_state.register("params", self.fcdp.compression_state)
+        compressor = compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads, trainable,
+                                                      self.communication_data_type, lambda: self.loss_scale)
+        if compressor is not None:
+            self.fcdp_state.register("grads", compress_grads.GradState(compressor))
+
     def _fcdp_compressor(self):
         return None if self.fcdp_grads is None else self.fcdp_grads.comm.compressor
 
@@ -207,9 +217,6 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
-        self.fcdp_state = CompressionState()
-        if self.fcdp.compression_state is not None:
-            self.fcdp_state.register("params", self.fcdp.compression_state)
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
@@ -217,11 +224,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
         announce.announce(self.fcdp, self.fcdp_grad_plan)
-        compressor = compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads,
-                                                      [p for p in params if p.requires_grad],
-                                                      self.communication_data_type, lambda: self.loss_scale)
-        if compressor is not None:
-            self.fcdp_state.register("grads", compress_grads.GradState(compressor))
+        self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
