@@ -122,7 +122,7 @@ class FCDPRuntime:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
-                             self.monitor, self.promotion)
+                             self.monitor, promotion=self.promotion)
         if self.compression is not None:
             self.report.extra = lambda: self.compression.stats(self.comm)
         return self
