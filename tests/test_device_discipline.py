@@ -72,11 +72,10 @@ ORDERINGS = {
     "grad_buffer_record_stream": (r"tensor \(allocated on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ "
                                   r"_scatter_sum .*\) was freed at .* while its use on stream 'fcdp_grad_buffer' at "
                                   r"grads/buffer.py:\d+ accumulate"),
-    # the two-stage gather: stage 2 (node group) after stage 1 (peer group); see [Note: when _issue_one moves
-    # stage 1 to a side stream with an event] in the worker
+    # the two-stage gather: stage 2 (node group) after stage 1 (peer group), both from the engine's gather stream
     "two_stage_gather": (r"read of door accelerator memory on stream 'collectives\([\d, ]+\)' at runtime/gather.py:\d+ "
-                         r"_issue_one .* is not ordered after its write on stream 'collectives\([\d, ]+\)' at "
-                         r"runtime/gather.py:\d+ _issue_one"),
+                         r"\w+ .* is not ordered after its write on stream 'collectives\([\d, ]+\)' at "
+                         r"runtime/gather.py:\d+ \w+"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
     "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "
                          r"'default' at fcdp_deepspeed/cache.py:\d+ move"),
