@@ -113,6 +113,15 @@ class Budget:
                               f"a percentage string (e.g. \"20%\"), a size (e.g. \"8GiB\") or \"auto\".")
 
 
+def _refuse_flat_compression(data: Any) -> None:
+    """``grad_compression`` compresses the hierarchical reduce's inter-node stage: refuse it with ``grad_reduce: flat``."""
+    if isinstance(data, Mapping) and data.get("grad_compression", "off") != "off" and data.get("grad_reduce") == "flat":
+        raise FCDPConfigError(f"fcdp.grad_compression = {data['grad_compression']!r} compresses the inter-node stage "
+                              "of the hierarchical gradient reduce-scatter, which fcdp.grad_reduce = \"flat\" does "
+                              "not run. Fix: set grad_reduce to \"hierarchical\" (or leave it out), or "
+                              "grad_compression to \"off\".")
+
+
 class FCDPConfig(DeepSpeedConfigModel):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
@@ -191,19 +200,23 @@ class FCDPConfig(DeepSpeedConfigModel):
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
+    param_refresh_interval: int = Field(100, ge=0)
+    """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
     compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing)."""
 
     log_interval: Optional[int] = Field(None, ge=0)
-    """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``FCDP/*`` monitor events. Default:
+    """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
     HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
 
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
+        _refuse_flat_compression(data)
+        _compression_needs_the_two_stage_gather(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -256,6 +269,19 @@ class FCDPConfig(DeepSpeedConfigModel):
         if isinstance(self.verify, bool):
             return 1.0 if self.verify else 0.0
         return float(self.verify)
+
+
+def _compression_needs_the_two_stage_gather(data: Any) -> None:
+    if isinstance(data, Mapping) and data.get("param_compression", "off") != "off" and data.get("param_gather") == "flat":
+        raise FCDPConfigError(f"fcdp.param_compression = \"{data['param_compression']}\" compresses the inter-node stage "
+                              f"of the two-stage gather, which fcdp.param_gather = \"flat\" does not run. Fix: set "
+                              f"param_gather to \"auto\" or \"hierarchical\", or param_compression to \"off\".")
+
+
+def resolved_param_compression(config: FCDPConfig, num_nodes: int, ranks_per_node: int) -> str:
+    """``fcdp.param_compression`` for a layout: ``off`` wherever the two-stage gather does not run (one node,
+    one rank per node)."""
+    return config.param_compression if config.resolved_param_gather(num_nodes, ranks_per_node) != "flat" else "off"
 
 
 def allowed_keys() -> list[str]:
@@ -328,6 +354,12 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_hpz_partition_size > 1:
         problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
                         "topology-derived node cache. Fix: remove zero_hpz_partition_size")
+    fcdp = parse_fcdp_config(ds_config)
+    if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
+        problems.append(f"fcdp.grad_compression = \"{fcdp.grad_compression}\" with zero_optimization.zero_quantized_gradients "
+                        "(ZeRO++ qgZ): both quantize the gradient reduction, and qgZ bypasses the reduce-scatter FCDP "
+                        "compresses (and has no error feedback). Fix: set zero_quantized_gradients false, or "
+                        "grad_compression \"off\"")
     if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
         problems.append("zero_optimization.zero_quantized_weights / zero_quantized_nontrainable_weights (ZeRO++ qwZ) "
                         "are not supported with fcdp. Fix: set them to false")

@@ -33,6 +33,8 @@ def stats_of(optimizer: Any) -> dict:
     reducer = getattr(optimizer, "fcdp_grads", None)
     if reducer is not None:
         out.update(reducer.stats())
+        if "grad_compressed_inter_node_bytes" in out:  # grad_compression: what of the inter-node stage crossed exact
+            out["grad_exact_inter_node_bytes"] = out["inter_node_grad_reduce_bytes"] - out["grad_compressed_inter_node_bytes"]
     out.setdefault("fcdp_enabled", True)
     out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
     comm = getattr(optimizer, "fcdp_comm", None)

@@ -4,7 +4,8 @@
 :class:`InjectedFault` (on global rank 1 only, or on every rank without ``@rank``);
 ``alloc_host@1:2`` fails only the 2nd call of that site on rank 1. Sites: ``alloc_host``,
 ``alloc_device`` (pool chunk allocation), ``alloc_gradbuf_host``, ``alloc_gradbuf_device`` (the node
-gradient-accumulation buffer). Unset in production: one environment lookup.
+gradient-accumulation buffer), ``alloc_residual_host``, ``alloc_residual_device`` (grad_compression's
+residuals). Unset in production: one environment lookup.
 
 ``FCDP_BREAK_INVALIDATION="checkpoint,refresh"`` skips the named invalidation paths (tests of the
 tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): ``optimizer_write``

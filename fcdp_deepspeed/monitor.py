@@ -21,6 +21,9 @@ REPORTED_KEYS = ("inter_node_allgather_bytes", "intra_node_allgather_bytes", "in
                  "intra_node_grad_reduce_bytes", "cache_hit_rate", "cache_hits", "cache_misses", "host_slot_bytes",
                  "device_slot_bytes", "host_cache_bytes", "device_cache_bytes")
 PREFIX = "fcdp/"
+#: Reported too while ``fcdp.param_compression`` is on.
+COMPRESSION_KEYS = ("inter_node_param_compressed_bytes", "inter_node_param_exact_bytes", "param_drift_max_all_ranks",
+                    "param_drift_mean_all_ranks")
 
 
 class RecordingMonitorMaster(MonitorMaster):
@@ -40,7 +43,8 @@ def reported_values(stats: dict) -> dict[str, float]:
     """``fcdp/<key>`` -> value for the keys of :data:`REPORTED_KEYS` that ``stats`` has (hit rate derived)."""
     lookups = stats.get("cache_hits", 0) + stats.get("cache_misses", 0)
     values = dict(stats, cache_hit_rate=stats.get("cache_hits", 0) / lookups if lookups else 0.0)
-    return {PREFIX + key: values[key] for key in REPORTED_KEYS if key in values}
+    keys = REPORTED_KEYS + (COMPRESSION_KEYS if stats.get("param_compression", "off") != "off" else ())
+    return {PREFIX + key: values[key] for key in keys if key in values}
 
 
 def monitor_events(stats: dict, step: int) -> list[tuple[str, float, int]]:

@@ -122,3 +122,24 @@ def resolve_grad_plan(grad_reduce: str, grad_accumulation: str, nodes: int, rank
                         accumulation_reason=words)
     return GradPlan(**base, grad_reduce="hierarchical", grad_accumulation="node", reduce_reason=reduce_reason,
                     accumulation_reason="auto" + _buffer_words(fit, accumulation_steps))
+
+
+#: Gradient dtypes the compressed inter-node stage reads and returns (it encodes their fp32 sums).
+COMPRESSIBLE_DTYPES = ("torch.float32", "torch.bfloat16", "torch.float16")
+
+
+def check_grad_compression(codec: str, plan: GradPlan, communication_dtype: object, accumulation_dtype: object) -> None:
+    """Refuse ``fcdp.grad_compression`` (by name, with the fix) where it cannot run: it compresses the inter-node
+    stage of the hierarchical reduce-scatter, so the resolved plan must be hierarchical, and it reads and returns
+    fp32/bf16/fp16 gradients (ZeRO++ qgZ is refused earlier, by ``check_ds_config_compatible``)."""
+    asked = f"fcdp.grad_compression = {codec!r}"
+    if not plan.active:
+        raise FCDPConfigError(
+            f"{asked} compresses the inter-node stage of grad_reduce \"hierarchical\", but this job runs grad_reduce = "
+            f"\"flat\" ({plan.reduce_reason}). Fix: set grad_compression to \"off\", or run grad_reduce \"hierarchical\" "
+            f"(several nodes of several ranks each).")
+    for key, dtype in (("communication_data_type", communication_dtype),
+                       ("gradient accumulation dtype (data_types.grad_accum_dtype)", accumulation_dtype)):
+        if str(dtype) not in COMPRESSIBLE_DTYPES:
+            raise FCDPConfigError(f"{asked} supports fp32, bf16 and fp16 gradients, but the {key} is {dtype}. Fix: use "
+                                  f"one of those, or set grad_compression to \"off\".")

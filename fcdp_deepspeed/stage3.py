@@ -19,6 +19,12 @@ Invalidation events (every path that writes a parameter's bit16 value):
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
+``fcdp.param_compression``'s references (``compress/reference.py``) are optimizer state: ``state_dict``
+adds them to each rank's optimizer state (the ``fcdp_compression`` envelope, ``compress/state.py``) and
+``load_state_dict`` restores them (a checkpoint without them, or of another codec or layout, starts
+them empty); ``_restore_from_bit16_weights`` (a load of the module weights alone, ``refresh_fp32_params``)
+drops them. Optimizer steps keep them; saves and 16-bit consolidation (inside checkpoint events) keep them.
+
 Gradients (``grad_reduce``/``grad_accumulation``, see ``grads/``): DeepSpeed's bucket reduction
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
 goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`; ``partition_grads`` applies the
@@ -36,6 +42,8 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
+from fcdp_deepspeed.compress import grads as compress_grads
+from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -107,7 +115,85 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             return super().step(closure)
 
 
-class FCDPStage3(CountedStage3):
+class CompressionSteps:
+    """``FCDPStage3``'s compression state around DeepSpeed's step and checkpoints (a mixin before
+    ``CountedStage3``): error-feedback residuals are committed when a step is applied and dropped otherwise
+    ([Note: residual commit] in ``compress/residual.py``), and saved/loaded in the ``fcdp_compression``
+    envelope of the optimizer's state dict ([Note: the envelope] in ``compress/state.py``), with the parameter
+    references and the events that drop them (``fcdp.param_compression``)."""
+
+    fcdp: FCDPRuntime | None
+    fcdp_state: CompressionState | None
+    fcdp_grads: "grads.GradReducer | None"
+    #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
+    #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
+    _fcdp_stepping = False
+
+    def _attach_compression(self, fcdp_config, trainable: list) -> None:
+        """The envelope's parts: the runtime's parameter references, the gradient compressor's residuals."""
+        self.fcdp_state = CompressionState()
+        if self.fcdp.compression_state is not None:
+            self.fcdp_state.register("params", self.fcdp.compression_state)
+        compressor = compress_grads.attach_compressor(fcdp_config, self.fcdp_grad_plan, self.fcdp_grads, trainable,
+                                                      self.communication_data_type, lambda: self.loss_scale)
+        if compressor is not None:
+            self.fcdp_state.register("grads", compress_grads.GradState(compressor))
+
+    def _fcdp_compressor(self):
+        return None if self.fcdp_grads is None else self.fcdp_grads.comm.compressor
+
+    def _pre_step(self) -> None:
+        super()._pre_step()
+        self._fcdp_stepping = True
+
+    def zero_grad(self, set_to_none=True) -> None:
+        super().zero_grad(set_to_none)
+        compressor = self._fcdp_compressor()
+        if compressor is not None and not (self._fcdp_stepping and not self.overflow):
+            compressor.discard(skipped=self._fcdp_stepping)  # inside step(): the overflow clean-up of a skipped step
+            self._fcdp_stepping = False
+
+    def _post_step(self, timer_names) -> None:
+        compressor = self._fcdp_compressor()
+        if compressor is not None:
+            compressor.commit()
+        self._fcdp_stepping = False
+        super()._post_step(timer_names)
+
+    def checkpoint_event_prologue(self) -> None:
+        super().checkpoint_event_prologue()
+        if self.fcdp is not None:
+            self.fcdp.checkpoint_event(inside=True)
+
+    def checkpoint_event_epilogue(self) -> None:
+        compressor = self._fcdp_compressor()
+        if compressor is not None:
+            compressor.discard(skipped=False)
+        super().checkpoint_event_epilogue()
+
+    def state_dict(self):
+        state = super().state_dict()
+        return self.fcdp_state.save_into(state) if self.fcdp_state is not None else state
+
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                        checkpoint_folder=None, load_serial=None, param_shapes=None):
+        # this rank's own file (DeepSpeed deletes it from the list under load_serial); universal or without the
+        # optimizer states: none of ours (every part starts from nothing: exact references, zero residuals)
+        mine = None if checkpoint_folder or not load_optimizer_states else \
+            state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
+                                load_from_fp32_weights=load_from_fp32_weights, checkpoint_folder=checkpoint_folder,
+                                load_serial=load_serial, param_shapes=param_shapes)
+        if self.fcdp_state is not None:
+            self.fcdp_state.load_from(mine)  # collective (agreement), as the load itself
+
+    def _restore_from_bit16_weights(self) -> None:
+        super()._restore_from_bit16_weights()
+        if self.fcdp is not None:
+            self.fcdp.weights_rewritten("weights restored")
+
+
+class FCDPStage3(CompressionSteps, CountedStage3):
     """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
@@ -118,6 +204,8 @@ class FCDPStage3(CountedStage3):
         self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
         self.fcdp_grads: grads.GradReducer | None = None
         self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
+        #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
+        self.fcdp_state: CompressionState | None = None
         super().__init__(module, init_optimizer, *args, **kwargs)
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -137,6 +225,7 @@ class FCDPStage3(CountedStage3):
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
         announce.announce(self.fcdp, self.fcdp_grad_plan)
+        self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:
@@ -253,6 +342,7 @@ class FCDPStage3(CountedStage3):
             # engine.py save_checkpoint): a node killed while writing its optimizer states left `latest` naming
             # a checkpoint without them, and every restart failed to load it. Every rank's files first.
             dist.barrier()
+            self.fcdp.checkpoint_event(inside=False)
 
 
 class CountedZeROOffload(DeepSpeedZeRoOffload):

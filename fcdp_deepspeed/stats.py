@@ -438,4 +438,13 @@ def format_stats_line(stats: dict, previous: Optional[dict] = None) -> str:
             f"{fmt_bytes(per['intra_node_grad_reduce_bytes'])} (bytes this rank received); cache hit rate {rate} "
             f"({per['cache_hits']:g} hits, {per['cache_misses']:g} misses per step); cache slots {fmt_bytes(slots)} "
             f"per rank (host {fmt_bytes(stats.get('host_slot_bytes', 0))}, device "
-            f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}")
+            f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}" + _compression_part(stats))
+
+
+def _compression_part(stats: dict) -> str:
+    """The log line's ``fcdp.param_compression`` part (empty when off)."""
+    if stats.get("param_compression", "off") == "off":
+        return ""
+    return (f", param compression {stats['param_compression']}: inter-node {fmt_bytes(stats['inter_node_param_compressed_bytes'])}"
+            f" compressed / {fmt_bytes(stats['inter_node_param_exact_bytes'])} exact, drift max "
+            f"{stats['param_drift_max_all_ranks']:.2e} mean {stats['param_drift_mean_all_ranks']:.2e} (all ranks)")

@@ -2,8 +2,10 @@
 ``fcdp.grad_compression``).
 
 One concern per module: ``quant.py`` (the blockwise codec: quantize/dequantize with torch ops on the
-accelerator, the wire format, the test-only codecs). The parameter path (weight deltas against a
-reference every node holds) and the gradient path (error-feedback residuals) build on it.
+accelerator, the wire format, the test-only codecs); the parameter path: ``reference.py`` (the reference
+store every node holds, its states and checkpoint part) and ``params.py`` (the compressed stage 1 of the
+two-stage gather, the drift); ``state.py`` (the checkpoint envelope both paths save into). The gradient
+path (error-feedback residuals) builds on the same codec.
 
 [Note: what stays exact] Only the inter-node stage of the two-stage parameter gather and of the
 hierarchical gradient reduce-scatter is compressed; intra-node stages, optimizer master weights,

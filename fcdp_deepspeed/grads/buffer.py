@@ -128,7 +128,7 @@ class BufferPlanner:
         self.trainable = params
         on_device = self.config.grad_buffer_device == "device"
         return BufferFit(need_bytes=sum(numels) * self.accumulation_dtype.itemsize,
-                         budget_bytes=self._agree_min(self._budget_bytes(on_device)),
+                         budget_bytes=self.agree_min(self.budget_bytes(on_device)),
                          device="device" if on_device else "host")
 
     def plan(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
@@ -142,10 +142,10 @@ class BufferPlanner:
         self.params_by_id = {p.ds_id: p for p in params}
         itemsize = self.accumulation_dtype.itemsize
         on_device = self.config.grad_buffer_device == "device"
-        budget = self._budget_bytes(on_device)
-        fits = self._agree_min(fitting_prefix([n * itemsize for n in numels], budget))
+        budget = self.budget_bytes(on_device)
+        fits = self.agree_min(fitting_prefix([n * itemsize for n in numels], budget))
         flat = self._allocate(sum(numels[:fits]), on_device) if fits else None
-        if fits and self._agree_min(1 if flat is not None else 0) == 0:
+        if fits and self.agree_min(1 if flat is not None else 0) == 0:
             flat, fits = None, 0
         if flat is not None:
             offset = 0
@@ -163,7 +163,7 @@ class BufferPlanner:
                            f"{len(params)} trainable parameters ({fmt_bytes(self.unbuffered_bytes)}) are reduced across "
                            f"nodes on every micro-step instead. Raise {key} to buffer them.")
 
-    def _budget_bytes(self, on_device: bool) -> int:
+    def budget_bytes(self, on_device: bool) -> int:
         """This rank's share: accelerator budget per rank, or the host budget per node (resolved against
         ``memory.host_limit`` less its margin) split over its ranks. A pinned buffer costs its power-of-two
         rounding, so the host share is the largest request whose pinned cost fits."""
@@ -183,7 +183,7 @@ class BufferPlanner:
         except (RuntimeError, MemoryError, faults.InjectedFault):
             return None
 
-    def _agree_min(self, value: int) -> int:
+    def agree_min(self, value: int) -> int:
         t = device.small_to_accel([value], torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dp_group)
         return int(device.small_to_host(t)[0])

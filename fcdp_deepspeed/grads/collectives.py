@@ -1,7 +1,7 @@
 """The two stages' collectives: a reduce-scatter inside the node, then one among the node peers."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,6 +24,8 @@ class StageCollectives:
         backend = _comm_module.cdb.get_backend(dp_group)
         #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there.
         self.use_alltoall = str(backend).lower() == "gloo"
+        #: ``fcdp.grad_compression``'s stage 2 (``compress/grads.py``: ``GradCompressor``), set when it is on.
+        self.compressor: Any = None
 
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
@@ -42,6 +44,16 @@ class StageCollectives:
     def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
         return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
+
+    def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
+                     window_sums: bool = False) -> list[torch.Tensor]:
+        """Stage 2 of the parameters ``ds_ids``: :meth:`inter_node`, or quantized with error feedback where
+        ``fcdp.grad_compression`` holds a residual for them ([Note: the compressed exchange]: it encodes the
+        accumulation-dtype sums, so no fp16 cast of a window sum arises there)."""
+        if self.compressor is None:
+            return self.inter_node(node_sums, comm_dtype, window_sums)
+        exact = lambda sums: self.inter_node(sums, comm_dtype, window_sums)  # noqa: E731
+        return self.compressor.inter_node(node_sums, ds_ids, exact)
 
     def wire_dtype(self, comm_dtype: torch.dtype, window_sums: bool) -> torch.dtype:
         """The dtype stage 2 sends.

@@ -116,7 +116,8 @@ class GradReducer:
         if buffered:
             self.buffer.accumulate(buffered)
         if deliver:
-            owns = self.comm.inter_node([c for _, c in deliver], comm_dtype, window_sums=window)
+            owns = self.comm.across_nodes([c for _, c in deliver], comm_dtype, [params[i].ds_id for i, _ in deliver],
+                                          window_sums=window)
             for (i, _), own in zip(deliver, owns):
                 results[i] = own.narrow(0, 0, own_chunk_numel(params[i].ds_numel, world, layout.dp_rank))
         self.delivery.delivered(params[i].ds_id for i, _ in deliver)
@@ -141,7 +142,7 @@ class GradReducer:
             # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
             sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
                     for i in batch]
-            owns = self.comm.inter_node(sums, comm_dtype, window_sums=True)
+            owns = self.comm.across_nodes(sums, comm_dtype, batch, window_sums=True)
             parts = [own.narrow(0, 0, own_chunk_numel(p.ds_numel, world, self.layout.dp_rank))
                      for p, own in zip(params, owns)]
             self.delivery.delivered(batch)
@@ -173,4 +174,5 @@ class GradReducer:
             "grad_accumulated": c.accumulated,
             "grad_delivered": c.delivered,
             "grad_flushed": c.flushed,
+            **(self.comm.compressor.stats() if self.comm.compressor is not None else {}),
         }

@@ -14,6 +14,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
   all-gather of misses, ``fcdp.param_gather`` ([Note: the two-stage gather]);
 - ``refill.py`` (:class:`MissBatcher`: the batch size cap): small stale parameters refilled together
   at the first miss, one collective instead of one per module ([Note: why batch misses]);
+- ``compression.py``: ``fcdp.param_compression`` wired in (reference slots and their budget, [Note: which
+  parameters are compressed]); the compressed stage 1 itself is ``compress/params.py``;
 - ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
@@ -34,10 +36,13 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed import comm_warmup, device
 from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.compress.params import ParamCompression
+from fcdp_deepspeed.compress.reference import ReferenceCheckpoint
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.monitor import latest_monitor
 from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
+from fcdp_deepspeed.runtime.compression import build_compression
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather
 from fcdp_deepspeed.runtime.invalidation import Invalidation
@@ -76,6 +81,9 @@ class FCDPRuntime:
         self.param_gather = "flat"
         self.invalidation: Optional[Invalidation] = None
         self.report: Optional[Report] = None
+        #: ``fcdp.param_compression`` (``None``: off or not applicable) and its checkpoint part.
+        self.compression: Optional[ParamCompression] = None
+        self.compression_state: Optional[ReferenceCheckpoint] = None
 
     @property
     def topology(self) -> Optional[Topology]:
@@ -102,6 +110,12 @@ class FCDPRuntime:
         self.promotion = Promotion(self.config, cache)
         warn_if_nothing_cached(self.attachment, self.allocation)
         self.param_gather = "flat" if gather is None else "hierarchical"
+        self.compression, self.compression_state = build_compression(  # collective (slot agreement)
+            self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
+        if self.compression is not None:
+            gather.compression = self.compression
+            for hook in self.attachment.hooks:
+                hook.listeners.append(self.compression.store.on_partition)
         batcher = MissBatcher(cache, gather, self.counters, self.config.miss_batch_bytes) if gather is not None else None
         self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher)
         for param in params:
@@ -109,6 +123,8 @@ class FCDPRuntime:
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
                              self.monitor, promotion=self.promotion)
+        if self.compression is not None:
+            self.report.extra = lambda: self.compression.stats(self.comm)
         return self
 
     # -- events (``stage3.py`` says which DeepSpeed event calls each) ---------------------------
@@ -121,6 +137,17 @@ class FCDPRuntime:
     def flush(self, reason: str) -> None:
         self.invalidation.flush(reason)
 
+    def checkpoint_event(self, inside: bool) -> None:
+        """Between ``checkpoint_event_prologue`` and ``_epilogue`` (see ``ReferenceStore.in_checkpoint_event``)."""
+        if self.compression is not None:
+            self.compression.store.in_checkpoint_event = inside
+
+    def weights_rewritten(self, why: str) -> None:
+        """Every trainable parameter may have a new value from outside the optimizer (a checkpoint load that is
+        not ours, ``refresh_fp32_params``): the next gathers cross exactly."""
+        if self.compression is not None:
+            self.compression.store.drop_all(why)
+
     def _warn_pageable_offload(self) -> None:
         """One warning (rank 0): DeepSpeed's offloaded partitions are pageable (its ``pin_memory`` defaults to
         false), so every copy of them to the accelerator, FCDP's two-stage gather's included, is synchronous."""
@@ -132,6 +159,10 @@ class FCDPRuntime:
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
         self.promotion.on_step_end()
+        if self.compression is not None:
+            self.compression.store.on_step_end()
+            if self.report.due():
+                self.compression.collect_drift(self.dp_group)  # collective, at the report cadence only
         self.report.on_step_end()
 
     def stats(self) -> dict:

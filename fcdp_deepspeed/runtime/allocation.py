@@ -97,6 +97,11 @@ class Allocation:
                            f"{fmt_bytes(memory.host_margin(self.host_limit.bytes))}); using {fmt_bytes(host_node)}.")
         return host_node // topo.ranks_per_node, 0
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Collective: a flag stays true only if it is true on every rank of the DP group (planning and
+        checkpoint loads only: a blocking control read)."""
+        return self._agree(flags)
+
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Collective: a flag stays true only if it is true on every rank of the DP group."""
         if not flags:

@@ -20,7 +20,7 @@ unpartitioned to ``deepspeed.initialize`` are all cached the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -48,6 +48,8 @@ class Attachment:
     cache: NodeCache
     #: Parameters that never got an entry: reason -> count.
     uncached: dict[str, int] = field(default_factory=dict)
+    #: The partition hooks of the ``zero.Init`` instances that partitioned the parameters.
+    hooks: list = field(default_factory=list)
 
 
 def init_owner(param: torch.nn.Parameter) -> Init:
@@ -76,8 +78,12 @@ class _SecondaryHook:
     def __init__(self, node_ranks: tuple[int, ...]) -> None:
         self.node_ranks = node_ranks
         self.caches: list[NodeCache] = []
+        #: Called with ``(param, has_been_updated)`` for every partition, cached or not (the reference store).
+        self.listeners: list[Callable[[torch.nn.Parameter, bool], None]] = []
 
     def __call__(self, param: torch.nn.Parameter, buffer: Any = None, has_been_updated: bool = False) -> None:
+        for listener in self.listeners:
+            listener(param, has_been_updated)
         for cache in self.caches:
             entry = cache.entry(param)
             if entry is not None:
@@ -119,6 +125,7 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
         param.ds_secondary_tensor_num_of_groups = topo.dp_size // topo.ranks_per_node
     for hook in hooks.values():
         hook.caches.append(attached.cache)
+    attached.hooks = list(hooks.values())
     return attached
 
 

@@ -208,11 +208,16 @@ class FetchPath:
         rate = self.verify_rate
         for p in sorted(params, key=lambda q: q.ds_id):
             self.miss_gathers += 1
+            if self._lossy(p):
+                continue  # a compressed reconstruction (fcdp.param_compression): not ZeRO-3's value by design
             if rate > 0 and math.floor(self.miss_gathers * rate) != math.floor((self.miss_gathers - 1) * rate):
                 entry = self.cache.entry(p)
                 checks.append((entry.name if entry else f"ds_id={p.ds_id}", p, flat_reference(p), "two-stage gathered"))
         self.counters.bump(verified_gathers=len(checks))
         return checks
+
+    def _lossy(self, param: torch.nn.Parameter) -> bool:
+        return self.gather is not None and self.gather.lossy(param)
 
     def _fall_back(self, reason: str, count: int) -> None:
         if self.counters.gather_fell_back(reason, count) and dist.get_rank() == 0:
@@ -237,7 +242,8 @@ class FetchPath:
             elif self.cache.is_hit(entry):
                 hit_entries.append(entry)
                 entry.hits += 1
-                if rate > 0 and math.floor(entry.hits * rate) != math.floor((entry.hits - 1) * rate):
+                if rate > 0 and math.floor(entry.hits * rate) != math.floor((entry.hits - 1) * rate) \
+                        and not self._lossy(param):  # a slot filled from a compressed reconstruction
                     to_check.append(entry)
             else:
                 misses += 1

@@ -18,13 +18,30 @@ gradient path already uses). The slot views, listed by DP rank, go to DeepSpeed'
 flat gather, so the release hook fills the cache slot as before. No buffer beyond DeepSpeed's own
 flat one: the stage inputs are views of the output (in-place all-gathers, as DeepSpeed's flat path).
 
-[Note: streams] The coordinator issues gathers on its all-gather stream. Stage 2 must see stage 1's
-output: ``work.wait()`` between the stages makes the current (all-gather) stream wait for stage 1
-(NCCL: no host block; gloo: the host waits). The handle's ``wait`` then orders stage 2 before the
-compute stream reads ``param.data`` and records the slot views on it, as DeepSpeed does.
-[Measured: deferring stage 2 into the handle's ``wait`` on gloo, so the host does not wait on stage 1
-at issue time, changed nothing on the emulated 2x2 cluster (1.426 vs 1.419 s per step, 100 Mbit/s,
-large release regime; 1.417 vs 1.436 s with DeepSpeed's default prefetch), so the single path stays.]
+[Note: streams] Three streams take part (CUDA; on the CPU accelerator there are none and gloo runs
+every collective on the host):
+
+- the *issuing* stream (DeepSpeed's all-gather stream, current when the coordinator issues a fetch):
+  allocates the flat buffer and copies this rank's partitions into it (host -> accelerator under
+  ``offload_param``). Nothing else is queued on it, so it never waits for a collective at issue time;
+- the engine's *gather* stream (``HierarchicalGather.stream``, one per engine, through the door): waits
+  for the issuing stream (the partition copies), then runs stage 1 with ``async_op=False``, which NCCL
+  (torch >= 2.8) enqueues on the current stream, so stage 1 is ordered before stage 2 by this stream
+  alone (no ``Work.wait`` at issue time: with ``TORCH_NCCL_BLOCKING_WAIT=1`` that would be a host wait).
+  Stage 2 is issued asynchronously from it, so it starts after stage 1. The flat buffer, allocated on
+  the issuing stream, is ``record_stream``-ed here. Anything between the stages (the dequantization of
+  ``fcdp.param_compression``, ``compress/params.py``) runs on this stream too;
+- the *waiting* stream (whichever is current when DeepSpeed's handle waits, the all-gather stream
+  again under the coordinator): ``AllGatherCoalescedHandle.wait`` waits on stage 2's work (stream-only
+  on NCCL, a host wait on gloo, as for DeepSpeed's own flat gather), so it is ordered after both
+  stages, and records the partition views on the stream that reads them.
+
+Before, stage 1's ``work.wait()`` ran on the issuing stream at issue time: the all-gather stream, which
+the compute stream waits for at every fetch, then waited for stage 1 of every prefetched miss, and
+with blocking waits the host did (issue 26).
+[Measured on gloo before the gather stream: deferring stage 2 into the handle's ``wait``, so the host
+does not wait on stage 1 at issue time, changed nothing on the emulated 2x2 cluster (1.426 vs 1.419 s
+per step, 100 Mbit/s, large release regime; 1.417 vs 1.436 s with DeepSpeed's default prefetch).]
 """
 from __future__ import annotations
 
@@ -40,6 +57,7 @@ from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
 from fcdp_deepspeed import device, ds_compat
+from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
 from fcdp_deepspeed.topology import Topology, group_ranks
@@ -63,6 +81,10 @@ class HierarchicalGather:
     peer_group: Any
     #: Every DP rank's slot in the flat buffer (:func:`slot_of_rank`): the permutation back to DeepSpeed's layout.
     slots: tuple[int, ...]
+    #: The engine's gather stream (see [Note: streams]); ``None`` without streams.
+    stream: Any = None
+    #: ``fcdp.param_compression``: the compressed stage 1 (``None``: off, every stage 1 is exact).
+    compression: Optional[ParamCompression] = None
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -100,10 +122,18 @@ class HierarchicalGather:
         by_dtype: dict[torch.dtype, list] = {}
         for p in params:
             by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-        handles = [self._issue_one(by_dtype[d]) for d in sorted(by_dtype, key=str)]
+        handles = []
+        for dtype in sorted(by_dtype, key=str):
+            # exact and compressed parameters are separate collectives, in this order (agreed: [Note: references])
+            exact, compressed = self.compression.split(by_dtype[dtype]) if self.compression else (by_dtype[dtype], [])
+            handles += [self._issue_one(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
         return MultipleAllGatherHandles(handles)
 
-    def _issue_one(self, params: list) -> AllGatherCoalescedHandle:
+    def lossy(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
+        return self.compression is not None and self.compression.lossy(param)
+
+    def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
         layout, dtype = self.layout, params[0].ds_tensor.dtype
@@ -117,12 +147,26 @@ class HierarchicalGather:
             device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
             offset += p.ds_tensor.ds_numel
         bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
-        stage1 = dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=True)
-        stage1.wait()  # [Note: streams]
-        stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+        issuing = device.current_stream()
+        with device.stream(self.stream):  # [Note: streams]
+            device.wait_stream(issuing)  # the partition copies above
+            device.record_stream(flat)  # allocated on the issuing stream, written on this one
+            if lossy:
+                self.compression.stage1(params, bundle, part, self.peer_group)
+            else:
+                self._exact_stage1(params, bundle, mine, part)
+            stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=layout.dp_size)
+
+    def _exact_stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int) -> None:
+        if self.compression is None:
+            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)  # ordered by the stream
+            return
+        with self.compression.exact_stage():
+            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)
+        self.compression.seed(params, bundle, part)
 
 
 def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGather]:
@@ -136,4 +180,5 @@ def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGat
         return None
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
     assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
-    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, topo.peer_group, slot_of_rank(layout))
+    return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, topo.peer_group, slot_of_rank(layout),
+                              stream=device.side_stream("gather"))

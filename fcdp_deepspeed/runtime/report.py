@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -39,10 +39,16 @@ class Report:
     #: The stats of the last ``[fcdp]`` line: the line reports the interval since (see ``format_stats_line``).
     last_reported: dict = field(default_factory=dict)
     promotion: Optional[Promotion] = None
+    #: More keys from other parts (``fcdp.param_compression``'s), merged into :meth:`stats`.
+    extra: Optional[Callable[[], dict]] = None
+
+    def due(self) -> bool:
+        """Whether this step boundary reports (the same on every rank)."""
+        return bool(self.log_interval) and self.counters.optimizer_steps % self.log_interval == 0
 
     def on_step_end(self) -> None:
         step = self.counters.optimizer_steps
-        if self.log_interval and step % self.log_interval == 0:
+        if self.due():
             stats = self.stats()
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))
@@ -93,6 +99,9 @@ class Report:
             **self._memory_stats(host_pool),
         }
         out.update(self.comm.snapshot())
+        out["param_compression"] = "off"
+        if self.extra is not None:
+            out.update(self.extra())
         return out
 
     def _memory_stats(self, host_pool: Optional[SlotPool]) -> dict:

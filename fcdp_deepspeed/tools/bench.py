@@ -79,6 +79,8 @@ class BenchSpec:
     """``fcdp.param_gather`` of the FCDP engines (how cache misses are gathered; rows record the resolved mode)."""
     compression_block: int = 128
     """``fcdp.compression_block`` of the compressed engines."""
+    fcdp_extra: dict = field(default_factory=dict)
+    """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
 
     def layout_list(self) -> list[tuple[int, int]]:
@@ -137,6 +139,8 @@ def rank_main(spec: dict, job: str) -> list[dict]:
                   "param_gather": s.param_gather, **FCDP_BLOCKS[engine_name]} if engine_name in FCDP_BLOCKS else None)
         if engine_name in COMPRESSED_ENGINES:
             block["compression_block"] = s.compression_block
+        if block is not None:
+            block.update(s.fcdp_extra)
         cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
@@ -476,6 +480,22 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _extra(ap: argparse.ArgumentParser, text: str) -> dict:
+    """``--fcdp-extra``: a JSON object of fcdp keys, checked against the config model here (not in every rank)."""
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as err:
+        ap.error(f"--fcdp-extra: not JSON ({err})")
+    if not isinstance(extra, dict):
+        ap.error("--fcdp-extra: expected a JSON object such as '{\"param_refresh_interval\": 0}'")
+    from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+    try:
+        parse_fcdp_config({"fcdp": {"enabled": True, **extra}})
+    except FCDPConfigError as err:
+        ap.error(f"--fcdp-extra: {err}")
+    return extra
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from fcdp_deepspeed.tools import args as checks
     ap = checks.parser("fcdp bench", __doc__)
@@ -503,6 +523,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="fcdp.param_gather of the FCDP engines")
     ap.add_argument("--compression-block", type=checks.whole(8), default=128,
                     help="fcdp.compression_block of the compressed engines")
+    ap.add_argument("--fcdp-extra", default="{}", help="JSON object of more fcdp keys for every FCDP engine, "
+                    "e.g. '{\"param_refresh_interval\": 0}'")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="run a named set of sweeps instead (compression: issue "
                     "23's targets; only the model, regime and --out options apply), each into OUT/<part>, and check "
                     "the targets on all of them (OUT/targets.json, OUT/targets.md)")
@@ -521,7 +543,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      jobs=args.jobs, engines=args.engines, hidden=args.hidden, layers=args.layers,
                      lora_rank=args.lora_rank, micro_batch=args.micro_batch, grad_accums=args.grad_accum,
                      warmup=args.warmup, steps=args.steps, repeats=args.repeats, regime=args.regime,
-                     param_gather=args.param_gather)
+                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         if args.preset:

@@ -32,7 +32,7 @@ def compressed_blocks(exact_block: dict) -> dict[str, dict]:
 
 
 #: ``get_stats`` keys of the compressed paths contain one of these.
-_STAT_WORDS = ("compress", "residual", "drift")
+_STAT_WORDS = ("compress", "residual", "drift", "param_exact", "param_refresh", "param_reference")
 
 
 def compression_stats(before: dict, after: dict, steps: int) -> dict:

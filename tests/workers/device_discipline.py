@@ -17,6 +17,7 @@ from deepspeed.accelerator import get_accelerator
 import fcdp_deepspeed
 from fcdp_deepspeed import device, grads, strict_device, strict_streams
 from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.compress.reference import ReferenceStore
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import setup
@@ -51,8 +52,29 @@ def sabotage(kind: str) -> None:
             device.current_stream().synchronize()
 
         NodeCache._fill = _fill
+    elif kind == "blocking_reference":  # the new reference's copy into pinned memory waited for on the host
+        original_write = ReferenceStore.write
+
+        def write(self, ref, values, *, lossy):
+            original_write(self, ref, values, lossy=lossy)
+            device.host_wait(ref.ready)
+
+        ReferenceStore.write = write
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
+    elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
+        from fcdp_deepspeed.compress import residual
+        original_to_accel = residual.device.to_accel
+
+        class _Blocking:
+            def __getattr__(self, name):
+                return getattr(device, name)
+
+            @staticmethod
+            def to_accel(t, out=None, *, non_blocking=True):
+                return original_to_accel(t, out, non_blocking=False)
+
+        residual.device = _Blocking()
     elif kind:
         raise ValueError(kind)
 
@@ -147,26 +169,26 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
             "fcdp_grad_buffer") else wait_event(ev))
     elif kind == "grad_buffer_record_stream":  # the node sums dropped without record_stream on the buffer's stream
         patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_grad_buffer") else record_stream(t))
-    elif kind == "two_stage_gather":  # stage 2 does not wait for stage 1 (the peer group's all-gather)
-        patches.set(strict_streams._Work, "wait", _stage1_not_waited)
+    elif kind == "two_stage_gather":  # stage 2 is not ordered after stage 1 (the peer group's all-gather)
+        patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
     elif kind == "deferred_release":  # emptied pinned chunks dropped without asking the move's event
         patches.set(door, "event_done", lambda ev: True)
     else:
         raise ValueError(kind)
 
 
-def _stage1_not_waited(work, *args, **kwargs):
-    """``wait()`` of a collective over one rank per node (the two-stage gather's stage 1): gloo finishes (values
-    stay right) but nothing is ordered, what dropping ``stage1.wait()`` does on NCCL.
-    [Note: when _issue_one moves stage 1 to a side stream with an event] this break becomes "drop the wait on
-    that event" (a predicate on the event's stream, as ``staged_event`` above); the test keeps its name."""
-    ranks = getattr(work.stream, "ranks", ())
-    if len(ranks) > 1 and len({r // 2 for r in ranks}) == len(ranks):  # 2 ranks per node
-        return work._work.wait(*args, **kwargs)
-    return _ORIGINAL_WAIT(work, *args, **kwargs)
+def _stage1_not_ordered(stream, event) -> None:
+    """The gather stream does not wait for a collective over one rank per node (the two-stage gather's stage 1,
+    ``async_op=False`` on the engine's gather stream, [Note: streams] in runtime/gather.py): gloo finishes (values
+    stay right) but stage 2, issued next from that stream, is not ordered after stage 1, what an
+    ``async_op=True`` stage 1 nobody waits on does on NCCL."""
+    ranks = getattr(getattr(event, "stream", None), "ranks", ())
+    if stream.fcdp and len(ranks) > 1 and len({r // 2 for r in ranks}) == len(ranks):  # 2 ranks per node
+        return None
+    return _ORIGINAL_WAIT_EVENT(stream, event)
 
 
-_ORIGINAL_WAIT = strict_streams._Work.wait
+_ORIGINAL_WAIT_EVENT = strict_streams.FakeStream.wait_event
 
 
 def _run_broken(sc: dict, breaks: list[str]) -> dict:

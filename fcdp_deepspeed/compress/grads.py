@@ -1,0 +1,210 @@
+"""The compressed inter-node gradient stage (``fcdp.grad_compression``): quantized rows with error feedback.
+
+[Note: the compressed exchange]
+Stage 2 of the hierarchical reduce-scatter hands each rank the ``(N, S)`` fp32 node sums of a bucket's (or a
+flush batch's) parameters, row q destined for node peer q (``grads/layout.py``, [Note: the two-stage
+reduction]); they are already divided by the DP size W, where DeepSpeed pre-divides (before the node stage).
+Here each row becomes ``x = node_sum + residual`` (fp32: an fp16 window sum is encoded from fp32, never cast),
+is encoded blockwise (``encode_rows``: fixed-size uint8 rows, blocks never span rows; a row's blocks run over
+the bucket's parameters in order), and the N rows go out in one ``all_to_all_single`` over the peer group, on
+gloo and NCCL alike: there is no quantized reduce-scatter, so every receiver decodes the N rows it got and sums
+them in fp32 in group-rank order, as the exact gloo path does. The sum is the partition, final: nothing divides
+it again (qgZ in DeepSpeed 0.19.8 divides its decoded sum by the node count on one path while its fallback is
+divided by the world size, a factor a compressed path hides; ``tests/test_compress_grads.py`` catches either).
+The sender decodes its own bytes to form the residual ([Note: error feedback] in ``residual.py``). Everything
+runs with torch ops on the reduce stream: no host read, no host wait. Parameters without a residual slot (over
+budget) take the exact stage in the same call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+
+from fcdp_deepspeed import device
+from fcdp_deepspeed.compress.quant import Codec, codec_for
+from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.grads import GradReducer
+from fcdp_deepspeed.grads.layout import ReduceLayout
+from fcdp_deepspeed.plan import GradPlan, check_grad_compression
+from fcdp_deepspeed.stats import EventCounters, fmt_bytes, received_bytes
+
+#: Test hook: a codec used instead of the configured one (``IdentityCodec`` guards the exchange's scale,
+#: divide factor and row/block order). Never a config value; set it before ``deepspeed.initialize``.
+TEST_CODEC: Optional[Codec] = None
+
+
+@dataclass
+class CompressionCounters(EventCounters):
+    exchanges: int = 0
+    """Compressed inter-node collectives."""
+    compressed_bytes: int = 0
+    """Bytes this rank received in them (the ledger's model: (N-1)/N of the packed rows); the rest of the engine's
+    ``inter_node_grad_reduce_bytes`` crossed exact (``grad_exact_inter_node_bytes``, ``engine_stats.py``)."""
+    restores: int = 0
+    """Overflow-skipped steps that left the committed residual as it was (a pending one was dropped)."""
+    discards: int = 0
+    """Pending residuals dropped by ``zero_grad`` outside an applied step or by a checkpoint event."""
+    zeroed_loads: int = 0
+    """Checkpoint loads that started from zero residuals (none saved for this setting)."""
+
+
+class GradCompressor:
+    """One engine's compressed inter-node stage and its residuals (built by :func:`attach_compressor`)."""
+
+    def __init__(self, codec: Codec, layout: ReduceLayout, peer_group: Any, store: ResidualStore,
+                 accumulation_dtype: torch.dtype, loss_scale: Callable[[], float], left_out_bytes: int = 0) -> None:
+        self.codec, self.layout, self.peer_group, self.store = codec, layout, peer_group, store
+        self.accumulation_dtype = accumulation_dtype
+        self.loss_scale = loss_scale
+        self.left_out_bytes = left_out_bytes
+        self.counters = CompressionCounters()
+        self._window_sq: Optional[torch.Tensor] = None  # [sum r^2, sum x^2] of this window's exchanges (device)
+        self._step_sq: Optional[torch.Tensor] = None  # the same for the last applied step
+
+    def inter_node(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int],
+                   exact: Callable[[list], list]) -> list[torch.Tensor]:
+        """Stage 2 for several parameters: compressed where a residual slot exists, ``exact`` for the rest."""
+        mine = [i for i, d in enumerate(ds_ids) if self.store.covers(d)]
+        if len(mine) == len(ds_ids):
+            return self.exchange(node_sums, ds_ids)
+        out: list[Optional[torch.Tensor]] = [None] * len(ds_ids)
+        rest = sorted(set(range(len(ds_ids))) - set(mine))
+        if mine:
+            for i, own in zip(mine, self.exchange([node_sums[i] for i in mine], [ds_ids[i] for i in mine])):
+                out[i] = own
+        for i, own in zip(rest, exact([node_sums[i] for i in rest])):
+            out[i] = own
+        return out  # type: ignore[return-value]
+
+    def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
+        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions."""
+        sizes = [t.shape[1] for t in node_sums]
+        x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
+        scale = self.loss_scale()
+        offset = 0
+        for ds_id, p in zip(ds_ids, sizes):
+            residual = self.store.read(ds_id, (self.layout.nodes, p), scale)
+            if residual is not None:
+                x[:, offset:offset + p].add_(residual)
+            offset += p
+        packed = self.codec.encode_rows(x)
+        quantized_sq = x.square().sum()
+        # the sender decodes its own bytes; not in place: a codec's packed rows may alias its input (IdentityCodec)
+        left = x - self.codec.decode_rows(packed, x.shape[1])
+        self._accumulate(left, quantized_sq)
+        offset = 0
+        for ds_id, p in zip(ds_ids, sizes):
+            self.store.write(ds_id, left[:, offset:offset + p], scale)
+            offset += p
+        self.store.writes_done()
+        recv = torch.empty_like(packed)
+        dist.all_to_all_single(recv, packed, group=self.peer_group)
+        rows = self.codec.decode_rows(recv, left.shape[1])
+        total = rows[0].clone()
+        for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
+            total.add_(row)
+        self.counters.bump(exchanges=1, compressed_bytes=received_bytes(
+            "all_to_all_single", {"input": packed}, self.layout.nodes, 0))
+        return list(total.to(self.accumulation_dtype).split(sizes))
+
+    def _accumulate(self, left: torch.Tensor, quantized_sq: torch.Tensor) -> None:
+        sq = torch.stack([left.square().sum(), quantized_sq])
+        self._window_sq = sq if self._window_sq is None else self._window_sq + sq
+
+    # -- the step (called by FCDPStage3, see [Note: residual commit]) ---------------------------------------
+    def commit(self) -> None:
+        if self.store.commit():
+            self._step_sq, self._window_sq = self._window_sq, None
+
+    def discard(self, skipped: bool) -> None:
+        self._window_sq = None
+        if self.store.discard():
+            self.counters.bump(restores=1) if skipped else self.counters.bump(discards=1)
+
+    # -- checkpoints (the "grads" part of the fcdp_compression envelope) ------------------------------------
+    def fingerprint(self) -> dict:
+        """What a saved residual must match to be loaded: codec, block, the rank's layout and its slots (elements per
+        covered parameter in ds_id order: ds_ids count across the engines of a process, their order does not)."""
+        lay = self.layout
+        return {"codec": self.codec.name, "block": self.codec.block, "dp_size": lay.dp_size, "dp_rank": lay.dp_rank,
+                "node_ranks": list(lay.node_ranks), "peer_ranks": list(lay.peer_ranks),
+                "slots": [self.store.offsets[d][1] for d in sorted(self.store.offsets)]}
+
+    def save(self) -> dict:
+        flat, scales = self.store.snapshot()
+        return {"format": 1, "fingerprint": self.fingerprint(), "residual": flat, "scales": scales}
+
+    def load(self, part: Optional[dict]) -> None:
+        if part is not None and part.get("format") == 1 and part.get("fingerprint") == self.fingerprint():
+            return self.store.restore(part["residual"], part["scales"])
+        self.store.restore(None, [])
+        self.counters.bump(zeroed_loads=1)
+        if dist.get_rank() == 0:
+            from deepspeed.utils import logger
+            why = "was written without grad_compression" if part is None else "holds residuals of another setting"
+            logger.info(f"fcdp: the checkpoint {why} (codec, block, layout or budget): error-feedback residuals "
+                        f"start from zero")
+
+    # -- reporting ------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c, store = self.counters, self.store
+        r2, x2 = device.small_to_host(self._step_sq) if self._step_sq is not None else (0.0, 0.0)
+        return {
+            "grad_compression": self.codec.name,
+            "grad_compressed_inter_node_bytes": c.compressed_bytes,
+            "grad_compressed_exchanges": c.exchanges,
+            "grad_residual_host_bytes": store.nbytes if store.device == "host" else 0,
+            "grad_residual_device_bytes": store.nbytes if store.device == "device" else 0,
+            "grad_residual_params": len(store.offsets),
+            "grad_residual_left_out_bytes": self.left_out_bytes,
+            "grad_residual_norm": r2 ** 0.5,
+            "grad_quantized_norm": x2 ** 0.5,
+            "grad_residual_rel_norm": (r2 / x2) ** 0.5 if x2 > 0 else 0.0,
+            "grad_residual_restores": c.restores,
+            "grad_residual_discards": c.discards,
+            "grad_residual_zeroed_loads": c.zeroed_loads,
+        }
+
+
+def attach_compressor(config: FCDPConfig, plan: GradPlan, reducer: Optional[GradReducer],
+                      trainable: Sequence[torch.nn.Parameter], communication_dtype: torch.dtype,
+                      loss_scale: Callable[[], float]) -> Optional[GradCompressor]:
+    """Collective over the DP group (the residual budget is agreed): give ``reducer`` the compressed inter-node
+    stage when ``fcdp.grad_compression`` asks for one. Refuses (:class:`FCDPConfigError`, by name) a plan
+    without the hierarchical reduce and unsupported dtypes (:func:`~fcdp_deepspeed.plan.check_grad_compression`)."""
+    if config.grad_compression == "off":
+        return None
+    accumulation_dtype = reducer.accumulation_dtype if reducer is not None else torch.float32
+    check_grad_compression(config.grad_compression, plan, communication_dtype, accumulation_dtype)
+    assert reducer is not None  # an active plan has a reducer
+    codec = TEST_CODEC if TEST_CODEC is not None else codec_for(config.grad_compression, config.compression_block)
+    planner = reducer.planner
+    # the node buffer may be allocated later (accumulation steps set after initialize): its need comes first
+    reserved = sum(planner.sizes(trainable)[1]) * accumulation_dtype.itemsize if plan.grad_accumulation == "node" else 0
+    store, left_out = plan_residuals(trainable, reducer.layout, planner, reserved, config.pin_memory)
+    reducer.comm.compressor = GradCompressor(codec, reducer.layout, reducer.comm.peer_group, store,
+                                             accumulation_dtype, loss_scale, left_out)
+    if dist.get_rank() == 0:
+        from deepspeed.utils import logger
+        logger.info(f"fcdp: grad_compression {codec.name} (block {codec.block}) on the inter-node gradient stage, "
+                    f"error-feedback residuals {fmt_bytes(store.nbytes)}/rank {store.device}")
+    return reducer.comm.compressor
+
+
+@dataclass(eq=False)
+class GradState:
+    """The ``"grads"`` part of the ``fcdp_compression`` envelope (``compress/state.StatePart``): this rank's
+    error-feedback residuals, restored only into the same codec, block, layout and budget."""
+
+    compressor: GradCompressor
+
+    def state(self) -> dict:
+        return self.compressor.save()
+
+    def load_state(self, saved: Optional[Mapping[str, Any]]) -> None:
+        self.compressor.load(dict(saved) if saved is not None else None)

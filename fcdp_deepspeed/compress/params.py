@@ -1,0 +1,212 @@
+"""The compressed stage 1 of the two-stage parameter gather (``fcdp.param_compression``).
+
+[Note: the compressed stage 1]
+For parameters whose reference is valid (``compress/reference.py``), stage 1 does not move the exact
+partitions among the node peers. On the gather stream (``runtime/gather.py``'s [Note: streams]):
+
+1. the owner computes ``delta = ds_tensor - own reference partition`` in fp32 (elements past the
+   parameter's end, uninitialized in DeepSpeed's last partition, are zeroed so they cannot poison a
+   block's scale), each parameter's segment padded to whole blocks (a scale never spans two
+   parameters, so a reconstruction does not depend on what it was coalesced with);
+2. encodes it (``codec.encode``: a fixed-size ``uint8`` message, aligned to ``ALIGN`` bytes in the
+   buffer) and all-gathers the N messages among its peers (``async_op=False``: ordered on the stream);
+3. every rank, the owner included, decodes all N messages in peer order and writes
+   ``(reference + decoded delta)`` cast to the parameter's dtype into the bundle of the flat buffer,
+   and into the reference (the new reference is that reconstruction);
+4. stage 2 (intra-node, exact) gathers the reconstructed bundles as for exact parameters.
+
+So every rank computes with the same reconstruction, bit for bit (same bytes, same torch ops in the
+same order, [Note: determinism] in ``quant.py``), and the optimizer's master weights and ``ds_tensor``
+stay exact. The owner measures the drift ``|w - reconstruction| / |w|`` of its own partition (relative
+L2 per parameter and gather) on the accelerator, without a host read (:class:`DriftMeter`).
+Exact stage 1s of parameters with a reference slot seed their reference from the exact bundle.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+
+from fcdp_deepspeed import device
+from fcdp_deepspeed.cache import Placement
+from fcdp_deepspeed.compress.quant import Codec
+from fcdp_deepspeed.compress.reference import CompressionCounters, ReferenceStore, RefState
+from fcdp_deepspeed.stats import INTER, LEDGER, CommCounters
+
+#: Ledger families of the inter-node stage 1 while compression is on (``inter_node_param_*_bytes``).
+PARAM_COMPRESSED = "param_compressed"
+PARAM_EXACT = "param_exact"
+#: Parameter dtypes the fp32 delta arithmetic reconstructs (other trainable dtypes are refused).
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Each peer's message starts at a multiple of this many bytes (the decode views its fp32 scales in place).
+ALIGN = 16
+
+
+def padded(numel: int, block: int) -> int:
+    return -(-numel // block) * block
+
+
+def pays(codec: Codec, partition_numel: int, dtype: torch.dtype) -> bool:
+    """Whether a partition's message is smaller compressed than exact (tiny partitions cross exactly)."""
+    return codec.wire_numel(padded(partition_numel, codec.block)) < partition_numel * dtype.itemsize
+
+
+@dataclass(eq=False)
+class DriftMeter:
+    """Drift of this rank's own reconstructions since the last report, kept on the accelerator."""
+
+    #: ``[max, sum]`` of the per-parameter relative errors, fp32 on the accelerator (``None``: none yet).
+    values: Optional[torch.Tensor] = None
+    count: int = 0
+    ready: Any = None
+
+    def add(self, errors: torch.Tensor, norms: torch.Tensor) -> None:
+        """On the gather stream: ``errors``/``norms``: per-parameter L2 norms of ``w - r`` and ``w``."""
+        rel = errors / norms.clamp_min(torch.finfo(torch.float32).tiny)
+        if self.values is None:
+            self.values = torch.zeros(2, dtype=torch.float32, device=rel.device)
+        self.values[0] = torch.maximum(self.values[0], rel.max())
+        self.values[1] += rel.sum()
+        self.count += rel.numel()
+        self.ready = device.record_event()
+
+    def read(self) -> tuple[float, float, int]:
+        """``(max, mean, samples)`` (a host read: report time only)."""
+        if self.values is None or not self.count:
+            return 0.0, 0.0, 0
+        device.host_wait(self.ready)
+        top, total = device.small_to_host(self.values)
+        return top, total / self.count, self.count
+
+    def reset(self) -> None:
+        self.values, self.count, self.ready = None, 0, None
+
+
+@dataclass(eq=False)
+class ParamCompression:
+    """One engine's compressed stage 1: the codec, the references, the counters and the drift."""
+
+    codec: Codec
+    store: ReferenceStore
+    counters: CompressionCounters
+    #: Nodes (peers per bundle), this rank's index among its peers and in the DP group.
+    nodes: int
+    peer_index: int
+    dp_index: int
+    drift: DriftMeter = field(default_factory=DriftMeter)
+    #: ``(max, mean)`` drift over every rank in the last report interval (:meth:`collect_drift`).
+    drift_all_ranks: tuple[float, float] = (0.0, 0.0)
+
+    def split(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list]:
+        """``(exact, compressed)``: compressed where the reference is valid (agreed: see [Note: references]);
+        an exact parameter with a reference slot is counted under why its reference was empty."""
+        exact, compressed = [], []
+        for p in params:
+            ref = self.store.get(p)
+            if ref is not None and self.store.usable(ref):
+                compressed.append(p)
+            else:
+                exact.append(p)
+                if ref is not None:
+                    self.counters.exact(ref.why)
+        return exact, compressed
+
+    def lossy(self, param: torch.nn.Parameter) -> bool:
+        """Whether ``param``'s last two-stage gather was compressed (its gathered value is a reconstruction)."""
+        ref = self.store.get(param)
+        return ref is not None and ref.lossy
+
+    def exact_stage(self) -> AbstractContextManager:
+        """Around an exact stage 1 while compression is on: its bytes are counted as ``param_exact``."""
+        return LEDGER.tagged(PARAM_EXACT)
+
+    def seed(self, params: list, bundle: torch.Tensor, part: int) -> None:
+        """After an exact stage 1 (gather stream): the exact bundle becomes each slotted parameter's reference."""
+        rows, offset = bundle.view(self.nodes, part), 0
+        for p in params:
+            size, ref = p.ds_tensor.ds_numel, self.store.get(p)
+            if ref is not None:
+                self.store.write(ref, rows[:, offset:offset + size], lossy=False)
+            offset += size
+
+    @staticmethod
+    def message(packed: torch.Tensor, peer: int, stride: int, wire: int) -> torch.Tensor:
+        """Peer ``peer``'s message in the gathered buffer."""
+        return packed.narrow(0, peer * stride, wire)
+
+    def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
+        """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
+        the gather stream (see [Note: the compressed stage 1])."""
+        codec, nodes, me = self.codec, self.nodes, self.peer_index
+        refs = [self.store.get(p) for p in params]
+        sizes = [p.ds_tensor.ds_numel for p in params]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        pads = [padded(n, codec.block) for n in sizes]
+        pad_offsets = [sum(pads[:i]) for i in range(len(pads))]
+        total = sum(pads)
+        rows = bundle.view(nodes, part)
+        on_accel = [self.store.on_accel(r).view(nodes, r.partition_numel) for r in refs]
+        delta = device.accel_empty(total, torch.float32).zero_()
+        valid = [max(0, min(n, p.ds_numel - self.dp_index * n)) for p, n in zip(params, sizes)]
+        for ref_rows, off, poff, n in zip(on_accel, offsets, pad_offsets, valid):
+            seg = delta.narrow(0, poff, n)  # past the parameter's end: zero (DeepSpeed leaves it uninitialized)
+            seg.copy_(rows[me].narrow(0, off, n))
+            seg.sub_(ref_rows[me].narrow(0, 0, n))  # fp32 (in place on the fp32 segment)
+        wire = codec.wire_numel(total)
+        stride = padded(wire, ALIGN)
+        packed = device.accel_empty(nodes * stride, torch.uint8)
+        own = packed.narrow(0, me * stride, stride)
+        own.zero_()
+        own.narrow(0, 0, wire).copy_(codec.encode(delta))
+        with LEDGER.tagged(PARAM_COMPRESSED):
+            dist.allgather_fn(packed, own, group=group, async_op=False)  # ordered on the gather stream
+        errors, norms = [], []
+        for peer in range(nodes):  # one decoded message at a time: P fp32 elements of scratch, not N x P
+            decoded = codec.decode(self.message(packed, peer, stride, wire), total)
+            for ref_rows, off, poff, size, n in zip(on_accel, offsets, pad_offsets, sizes, valid):
+                recon = torch.add(ref_rows[peer], decoded.narrow(0, poff, size)).to(rows.dtype)  # fp32 sum, then the dtype
+                if peer == me:  # before the exact partition is overwritten: the drift
+                    exact = rows[me].narrow(0, off, n).float()
+                    errors.append(torch.linalg.vector_norm(recon.narrow(0, 0, n).float() - exact))
+                    norms.append(torch.linalg.vector_norm(exact))
+                rows[peer].narrow(0, off, size).copy_(recon)
+        for ref, off, size in zip(refs, offsets, sizes):
+            self.store.write(ref, rows[:, off:off + size], lossy=True)  # the reconstruction is the new reference
+        self.drift.add(torch.stack(errors), torch.stack(norms))
+        self.counters.bump(compressed_gathers=len(params))
+
+    def collect_drift(self, group: Any) -> None:
+        """Collective over ``group`` at the report cadence: the drift over every rank since the last report
+        (blocking control reads, as the report's own), then a new interval."""
+        top, mean, samples = self.drift.read()
+        highest = device.small_to_accel([top], torch.float32)
+        sums = device.small_to_accel([mean * samples, float(samples)], torch.float32)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sums, group=group)
+        (top,), (total, count) = device.small_to_host(highest), device.small_to_host(sums)
+        self.drift_all_ranks = (top, total / count if count else 0.0)
+        self.drift.reset()
+
+    def stats(self, comm: CommCounters) -> dict:
+        top, mean, samples = self.drift.read()
+        store, c = self.store, self.counters
+        out = {
+            "param_compression": self.codec.name,
+            "param_compressed_gathers": c.compressed_gathers,
+            "param_exact_gathers": dict(c.exact_gathers),
+            "param_refreshes": c.refreshes,
+            "param_reference_slots": len(store.refs),
+            "param_references": sum(1 for r in store.refs.values() if r.state is RefState.VALID),
+            "param_reference_bytes": store.held_bytes(),
+            "param_reference_host_pool_bytes": store.pool_bytes(Placement.HOST),
+            "param_reference_device_pool_bytes": store.pool_bytes(Placement.DEVICE),
+            "param_drift_max": top, "param_drift_mean": mean, "param_drift_samples": samples,
+            "param_drift_max_all_ranks": self.drift_all_ranks[0], "param_drift_mean_all_ranks": self.drift_all_ranks[1],
+        }
+        for family in (PARAM_COMPRESSED, PARAM_EXACT):
+            out[f"{INTER}_{family}_bytes"], out[f"{INTER}_{family}_calls"] = comm.get(family, INTER)
+        return out

@@ -1,0 +1,236 @@
+"""The reference store: per parameter, the bundle this rank's node-peer group reconstructed at its last
+two-stage gather (``fcdp.param_compression``).
+
+[Note: references]
+Stage 1 of the two-stage gather moves, among a rank's node peers (one rank per node), the N partitions
+of the peer group: the *bundle* (N*p elements; not the cache slot's layout, which is a contiguous 1/L
+of the parameter). With compression each owner sends its partition as a quantized delta against the
+partition's last reconstruction, which every peer holds: the reference. It is the bundle reconstructed
+at the parameter's last two-stage gather, written by the same decode on every peer, so it is bitwise
+the same on every rank of the peer group. Because the reference *is* the last reconstruction (not the
+last exact value), each step's delta carries the previous step's error: the error of a reconstruction
+is the quantization error of one delta and never accumulates.
+
+States (:class:`RefState`) change only at the same logical points on every rank, as the cache's entry
+states do (``cache.py``'s [Note: entry states]): at two-stage gathers (collective, agreed), at optimizer
+step boundaries (the periodic refresh), at checkpoint loads and at agreed planning. A parameter whose
+requires_grad flipped, or that ``GatheredParameters(modifier_rank=...)`` rewrote outside a checkpoint
+event, drops its reference (its next gather crosses exactly). Optimizer steps do *not* drop references:
+that is the point. Only :class:`ReferenceStore` changes states; the gather writes slots through it.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+
+from fcdp_deepspeed import device
+from fcdp_deepspeed.cache import Placement, SlotPool
+from fcdp_deepspeed.stats import EventCounters
+
+
+class RefState(enum.Enum):
+    NONE = "none"
+    """A slot without valid content: the next two-stage gather crosses exactly and fills it
+    (``Reference.why`` says why, counted when it does)."""
+    VALID = "valid"
+    """The slot holds the bundle every peer reconstructed at the last two-stage gather: the next one
+    sends a delta against it."""
+
+
+@dataclass(eq=False)
+class Reference:
+    """One parameter's reference on this rank (a :class:`~fcdp_deepspeed.cache.SlotPool` slot of N*p elements)."""
+
+    param: torch.nn.Parameter
+    #: The parameter's name in the module (what checkpoints key references by: ``ds_id`` differs between processes).
+    name: str
+    #: Elements of one partition (``ds_tensor.ds_numel``) and partitions in the bundle (nodes).
+    partition_numel: int
+    nodes: int
+    dtype: torch.dtype
+    state: RefState = RefState.NONE
+    why: str = "first gather"
+    placement: Optional[Placement] = None
+    slot: Optional[torch.Tensor] = field(default=None, repr=False)
+    #: Event after the last write into the slot, on the gather stream (``None`` without streams): host readers wait on it.
+    ready: Any = field(default=None, repr=False)
+    #: The parameter's last two-stage gather was compressed: what it gathered is a reconstruction.
+    lossy: bool = False
+    #: ``requires_grad`` at the last gather: a flip drops the reference.
+    requires_grad: bool = True
+
+    @property
+    def slot_numel(self) -> int:
+        return self.nodes * self.partition_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_numel * self.dtype.itemsize
+
+
+@dataclass
+class CompressionCounters(EventCounters):
+    """Per-engine parameter-compression events (``get_stats``)."""
+
+    compressed_gathers: int = 0
+    refreshes: int = 0
+    #: Parameters with a reference slot gathered exactly, by why their reference was empty.
+    exact_gathers: dict = field(default_factory=dict)
+
+    def exact(self, why: str, count: int = 1) -> None:
+        with self._lock:
+            self.exact_gathers[why] = self.exact_gathers.get(why, 0) + count
+
+
+class ReferenceStore:
+    """The references of one engine on this rank, and the only code that changes their state."""
+
+    def __init__(self, counters: CompressionCounters, refresh_interval: int) -> None:
+        self.counters = counters
+        self.refresh_interval = refresh_interval
+        self.refs: dict[int, Reference] = {}  # by ds_id: parameters with a slot only
+        self.pools: dict[Placement, SlotPool] = {}
+        #: Optimizer steps seen (the refresh cadence; saved in checkpoints).
+        self.steps = 0
+        #: Between ``checkpoint_event_prologue`` and ``_epilogue``: saves and 16-bit consolidation rewrite
+        #: parameters with the values they had (``partition(has_been_updated=True)``); that drops nothing.
+        self.in_checkpoint_event = False
+        self._lock = threading.RLock()
+
+    def get(self, param: torch.nn.Parameter) -> Optional[Reference]:
+        return self.refs.get(getattr(param, "ds_id", -1))
+
+    # -- slots (called on the gather stream) ------------------------------------------------------
+    def on_accel(self, ref: Reference) -> torch.Tensor:
+        """The reference on the accelerator: the slot itself, or a copy of the pinned host slot issued
+        asynchronously on the current stream (ordered after the last write, which ran on it too)."""
+        return ref.slot if ref.placement is Placement.DEVICE else device.to_accel(ref.slot)
+
+    def write(self, ref: Reference, values: torch.Tensor, *, lossy: bool) -> None:
+        """The bundle just reconstructed (``values``: N x p on the accelerator) becomes the reference, on the
+        current (gather) stream; host slots by an asynchronous copy into pinned memory. ``ref.ready`` is
+        recorded after it, for host readers (checkpoint saves)."""
+        with self._lock:
+            target = ref.slot.view(ref.nodes, ref.partition_numel)
+            if ref.placement is Placement.DEVICE:
+                if target.data_ptr() != values.data_ptr():
+                    target.copy_(values)
+            else:
+                device.to_host(values, out=target)
+            ref.ready = device.record_event()
+            ref.state, ref.why, ref.lossy, ref.requires_grad = RefState.VALID, "", lossy, ref.param.requires_grad
+
+    def host_ready(self) -> None:
+        """The host waits for every pending write into a slot (checkpoint saves and loads only)."""
+        for ref in self.refs.values():
+            device.host_wait(ref.ready)
+
+    # -- transitions --------------------------------------------------------------------------------
+    def usable(self, ref: Reference) -> bool:
+        """Whether ``ref`` can serve the next gather as a delta reference; drops it when its parameter's
+        ``requires_grad`` flipped since (the same decision on every rank: flips are made on all of them)."""
+        with self._lock:
+            if ref.state is RefState.VALID and ref.requires_grad != ref.param.requires_grad:
+                self._drop(ref, "requires_grad flip")
+            return ref.state is RefState.VALID and ref.param.requires_grad
+
+    def _drop(self, ref: Reference, why: str) -> bool:
+        if ref.state is not RefState.VALID:
+            return False
+        ref.state, ref.why = RefState.NONE, why
+        return True
+
+    def drop(self, refs: Iterable[Reference], why: str) -> int:
+        with self._lock:
+            return sum(self._drop(r, why) for r in refs)
+
+    def drop_all(self, why: str) -> int:
+        return self.drop(list(self.refs.values()), why)
+
+    def on_partition(self, param: torch.nn.Parameter, has_been_updated: bool) -> None:
+        """DeepSpeed partitions ``param``; ``has_been_updated``: its values were rewritten in place
+        (``GatheredParameters(modifier_rank=...)``), outside checkpoint events a new value: cross exactly."""
+        ref = self.get(param) if has_been_updated and not self.in_checkpoint_event else None
+        if ref is not None:
+            self.drop([ref], "modified in place")
+
+    def on_step_end(self) -> None:
+        """An applied optimizer step: every ``refresh_interval`` steps all references are dropped, so every
+        changed parameter crosses exactly once and the references restart from exact values."""
+        self.steps += 1
+        if self.refresh_interval and self.steps % self.refresh_interval == 0:
+            self.drop_all("refresh")
+            self.counters.bump(refreshes=1)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        return sum(r.nbytes for r in self.refs.values() if r.state is RefState.VALID)
+
+    def pool_bytes(self, placement: Placement) -> int:
+        pool = self.pools.get(placement)
+        return pool.nbytes if pool is not None else 0
+
+
+class ReferenceCheckpoint:
+    """The ``"params"`` part of the checkpoint envelope (``compress/state.py``): this rank's valid references,
+    the refresh cadence, and the key they are valid under (codec, block, node layout, this rank's peers)."""
+
+    #: Version of this part's content.
+    VERSION = 1
+
+    def __init__(self, store: ReferenceStore, key: dict, agree: Callable[[list[bool]], list[bool]]) -> None:
+        self.store = store
+        self.key = key
+        #: Collective over the DP group: a flag stays true only where it is true on every rank.
+        self.agree = agree
+
+    def state(self) -> dict:
+        store = self.store
+        store.host_ready()  # every slot's last write (on the gather stream) has landed
+        saved = {}
+        for ref in store.refs.values():
+            if ref.state is RefState.VALID:
+                values = device.host_empty(ref.slot_numel, ref.dtype)
+                if ref.placement is Placement.DEVICE:
+                    device.to_host(ref.slot, out=values)
+                else:
+                    values.copy_(ref.slot)
+                saved[ref.name] = {"partition_numel": ref.partition_numel, "nodes": ref.nodes, "dtype": str(ref.dtype),
+                                "requires_grad": ref.requires_grad, "values": values}
+        device.host_wait(device.record_event())  # the device slots' copies (checkpoint time, not per step)
+        return {"version": self.VERSION, "key": dict(self.key), "steps": store.steps, "references": saved}
+
+    def _fits(self, ref: Reference, saved: Any) -> bool:
+        return (isinstance(saved, dict) and saved.get("partition_numel") == ref.partition_numel
+                and saved.get("nodes") == ref.nodes and saved.get("dtype") == str(ref.dtype)
+                and isinstance(saved.get("values"), torch.Tensor) and saved["values"].numel() == ref.slot_numel)
+
+    def load_state(self, saved: Optional[Mapping[str, Any]]) -> None:
+        """Collective: restore the references the checkpoint holds for this layout and codec, agreed across
+        ranks; every other reference starts empty, so its parameter crosses exactly once."""
+        store = self.store
+        refs = [store.refs[i] for i in sorted(store.refs)]
+        same = bool(saved) and saved.get("version") == self.VERSION and saved.get("key") == self.key
+        held = saved.get("references", {}) if same else {}
+        flags = self.agree([same] + [same and self._fits(r, held.get(r.name)) for r in refs])
+        store.host_ready()  # no copy of an earlier gather still lands in a slot overwritten below
+        store.drop_all("checkpoint load")
+        for ref in store.refs.values():
+            ref.why = "checkpoint load"  # those restored below become valid
+        if not flags[0]:
+            return
+        store.steps = int(saved["steps"])
+        for ref, ok in zip(refs, flags[1:]):
+            if ok:
+                entry = held[ref.name]
+                with store._lock:
+                    if ref.placement is Placement.DEVICE:
+                        device.to_accel(entry["values"], out=ref.slot, non_blocking=False)  # load time
+                    else:
+                        ref.slot.copy_(entry["values"])
+                    ref.state, ref.why, ref.lossy, ref.ready = RefState.VALID, "", False, None
+                    ref.requires_grad = bool(entry["requires_grad"])

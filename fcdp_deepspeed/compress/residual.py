@@ -1,0 +1,186 @@
+"""Error-feedback residuals of the compressed inter-node gradient stage: their slots, placement and commit rule.
+
+[Note: error feedback]
+For every parameter chunk block a rank sends across nodes, ``x = node_sum + residual`` is quantized, and what
+quantization dropped, ``residual = x - decode(encode(x))`` (the sender decodes its own bytes, as every receiver
+does), is added to the next window's ``x`` before it is quantized. Over K steps the decoded sums then add up to
+the exact sums minus the last residual instead of drifting by K rounding errors (qgZ has no such feedback and
+diverges, DeepSpeed #4886). A residual covers what this rank sends: ``N x P`` fp32 elements per parameter
+(N node peers, ``P = ceil(numel / W)``), 1/L of the trainable parameters per rank.
+
+[Note: residual commit]
+A window's residual becomes the next window's input only if DeepSpeed applies the step. Each covered parameter
+has two slots: the *committed* residual and the *pending* one this window writes (the first exchange of a window
+reads the committed slot, later ones under per-rank accumulation read and rewrite the pending one). ``commit``
+(``FCDPStage3._post_step``: the step was applied) makes the pending slot the committed one by flipping an index,
+with no copy; ``discard`` (an overflow-skipped step, ``zero_grad`` outside an applied step, a checkpoint event)
+forgets the pending slot, so the committed residual is left bit for bit as it was. Both slots are needed for
+every precision: DeepSpeed 0.19.8 skips a step whenever the global gradient norm is not finite
+(``is_invalid_grad_norm`` in ``step()``), also in fp32 and bf16, and such a window's residual is NaN.
+
+[Note: residuals and the loss scale] Under fp16 dynamic loss scaling gradients (and so residuals) are in scaled
+units. A residual records the loss scale it was written at; the first read of a window multiplies it by
+``current / recorded`` (powers of two: exact), so a scale change (e.g. halved after an overflow) does not feed a
+residual of the wrong size into the next sum.
+
+Placement follows the node buffer's rules (``grad_buffer_device``, ``grad_buffer_budget``): pinned host memory by
+default, never read by the host on the hot path: a host slot is copied to the accelerator asynchronously, the
+add runs there and the new residual is copied back asynchronously on the same (reduce) stream, so the next read
+is ordered after it ([Note: host buffer, device add] in ``grads/buffer.py``); an event recorded after the writes
+is what checkpoint save/load wait on before the host touches the slots.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from fcdp_deepspeed import device, faults
+from fcdp_deepspeed.grads.buffer import BufferPlanner, fitting_prefix
+from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
+from fcdp_deepspeed.stats import fmt_bytes
+
+#: Bytes per residual element (fp32) and slots per parameter (committed + pending).
+ELEMENT_BYTES = 4
+SLOTS = 2
+
+
+@dataclass
+class ResidualStore:
+    """One rank's error-feedback residuals: two fp32 slots per covered parameter (see [Note: residual commit])."""
+
+    flats: tuple[Optional[torch.Tensor], ...] = (None, None)
+    offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset, numel)
+    device: str = "host"
+    committed: dict[int, int] = field(default_factory=dict)  # ds_id -> index of the committed slot (default 0)
+    scales: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of its committed residual
+    pending: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of this window's residual
+    written: Any = None  # event after the last write of a host slot (checkpoint readers wait on it)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def covers(self, ds_id: int) -> bool:
+        return ds_id in self.offsets
+
+    def _slot(self, ds_id: int, index: int) -> torch.Tensor:
+        offset, numel = self.offsets[ds_id]
+        return self.flats[index].narrow(0, offset, numel)
+
+    def read(self, ds_id: int, shape: tuple[int, int], loss_scale: float) -> Optional[torch.Tensor]:
+        """The residual to add to this window's sum, on the accelerator (``None``: zero, nothing written yet)."""
+        with self._lock:
+            first = ds_id not in self.pending
+            recorded = self.scales.get(ds_id) if first else self.pending[ds_id]
+            index = self.committed.get(ds_id, 0) ^ (0 if first else 1)
+        if recorded is None:
+            return None
+        slot = self._slot(ds_id, index).view(shape)
+        residual = device.to_accel(slot) if self.device == "host" else slot
+        return residual * (loss_scale / recorded) if loss_scale != recorded else residual
+
+    def write(self, ds_id: int, value: torch.Tensor, loss_scale: float) -> None:
+        """This window's new residual (accelerator ``value``) into the pending slot."""
+        with self._lock:
+            index = self.committed.get(ds_id, 0) ^ 1
+            self.pending[ds_id] = loss_scale
+        slot = self._slot(ds_id, index).view(value.shape)
+        if self.device == "host":
+            device.to_host(value, out=slot)
+        else:
+            slot.copy_(value)
+
+    def writes_done(self) -> None:
+        if self.device == "host":
+            self.written = device.record_event()
+
+    def commit(self) -> int:
+        """The step was applied: pending residuals become the committed ones (an index flip). Returns how many."""
+        with self._lock:
+            for ds_id, scale in self.pending.items():
+                self.committed[ds_id] = self.committed.get(ds_id, 0) ^ 1
+                self.scales[ds_id] = scale
+            count, self.pending = len(self.pending), {}
+        return count
+
+    def discard(self) -> bool:
+        """Forget this window's residuals; the committed ones stay as they were. Whether any was pending."""
+        with self._lock:
+            dropped, self.pending = bool(self.pending), {}
+        return dropped
+
+    # -- checkpoints (host reads: not on the hot path) ---------------------------------------------------------
+    def snapshot(self) -> tuple[Optional[torch.Tensor], list[Optional[float]]]:
+        """The committed residuals, concatenated in ds_id order (``None`` when nothing was written yet), and
+        their loss scales. Host slots are read after the last write's event."""
+        ids = sorted(self.offsets)
+        if not ids or not self.scales:
+            return None, [None] * len(ids)
+        device.host_wait(self.written)
+        parts = [self._slot(i, self.committed.get(i, 0)) for i in ids]
+        return torch.cat(parts).clone(), [self.scales.get(i) for i in ids]
+
+    def restore(self, flat: Optional[torch.Tensor], scales: Sequence[Optional[float]]) -> None:
+        """Set the committed residuals (``None``: zero); nothing is pending afterwards."""
+        device.host_wait(self.written)
+        ids = sorted(self.offsets)
+        with self._lock:
+            self.pending, self.committed, self.scales = {}, {}, {}
+        offset = 0
+        for ds_id, scale in zip(ids, scales):
+            numel = self.offsets[ds_id][1]
+            slot = self._slot(ds_id, 0)
+            if flat is None or scale is None:
+                slot.zero_()
+            else:
+                slot.copy_(flat.narrow(0, offset, numel))  # checkpoint load: the host waits anyway
+                self.scales[ds_id] = float(scale)
+            offset += numel
+        self.writes_done()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(0 if f is None else f.numel() * f.element_size() for f in self.flats)
+
+
+def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, planner: BufferPlanner,
+                   reserved_bytes: int, pin: bool) -> tuple[ResidualStore, int]:
+    """Collective over the DP group: slots for a prefix (ds_id order) of ``params`` whose residuals fit what the
+    gradient budget leaves after ``reserved_bytes`` (the node buffer's need), agreed over every rank; one
+    allocation holds both slots. Returns the store and the residual bytes of the parameters left out (their
+    gradients cross nodes exact, one warning)."""
+    params = sorted(params, key=lambda p: p.ds_id)
+    numels = [layout.nodes * chunk_numel(p.ds_numel, layout.dp_size) for p in params]
+    on_device = planner.config.grad_buffer_device == "device"
+    budget = max(0, planner.budget_bytes(on_device) - reserved_bytes)
+    fits = planner.agree_min(fitting_prefix([SLOTS * n * ELEMENT_BYTES for n in numels], budget))
+    total = sum(numels[:fits])
+    flat = _allocate(SLOTS * total, on_device, pin) if fits else None
+    if fits and planner.agree_min(1 if flat is not None else 0) == 0:
+        flat, fits, total = None, 0, 0
+    store = ResidualStore(device="device" if on_device else "host")
+    if flat is not None:
+        store.flats = (flat.narrow(0, 0, total), flat.narrow(0, total, total))
+        offset = 0
+        for p, numel in zip(params[:fits], numels):
+            store.offsets[p.ds_id] = (offset, numel)
+            offset += numel
+    left_out = sum(numels[fits:]) * SLOTS * ELEMENT_BYTES
+    if fits < len(params) and dist.get_rank() == 0:
+        logger.warning(f"fcdp: grad_compression error-feedback residuals need {fmt_bytes(sum(numels) * SLOTS * 4)} "
+                       f"per rank but {fmt_bytes(budget)} of fcdp.grad_buffer_budget is left (or allocation failed); "
+                       f"{len(params) - fits} of {len(params)} trainable parameters cross nodes exact instead. Raise "
+                       f"fcdp.grad_buffer_budget to compress them.")
+    return store, left_out
+
+
+def _allocate(numel: int, on_device: bool, pin: bool) -> Optional[torch.Tensor]:
+    try:
+        faults.maybe_fail(f"alloc_residual_{'device' if on_device else 'host'}")
+        alloc = device.accel_empty if on_device else device.pin_empty if pin else device.host_empty
+        return alloc(numel, torch.float32).zero_()
+    except (RuntimeError, MemoryError, faults.InjectedFault):
+        return None

@@ -1,0 +1,203 @@
+"""The compressed inter-node gradient stage (``fcdp.grad_compression``, ``fcdp_deepspeed/compress/grads.py``) with
+error feedback, through ``deepspeed.initialize`` on real gloo groups, 2 nodes x 2, every scenario in one launch.
+
+What is proved: the test-only identity codec makes the compressed path bit-identical to the exact hierarchical
+path (node and per-rank accumulation, the flush path included), and a wrong scale, a wrong divide factor, a wrong
+row or block order each break that; int8/int4 keep every rank's replica bitwise equal and cut the inter-node
+gradient bytes to the wire model's ratio; the residual carries over steps (without it the summed gradient drifts
+from the exact sum); an overflow-skipped step leaves the residual bit for bit as it was (a variant that commits
+anyway fails); residuals are saved per rank and a resumed run equals the uninterrupted one bit for bit, while a
+checkpoint of another setting starts from zero; a residual budget covers a prefix of the parameters (LoRA
+adapters) and the rest crosses exact, with one warning; refusals name the key.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from fcdp_deepspeed.compress import codec_for
+from fcdp_deepspeed.compress.residual import ResidualStore
+from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+from fcdp_deepspeed.plan import check_grad_compression, resolve_grad_plan
+
+NODE = {"grad_accumulation": "node"}  # grad_reduce auto: hierarchical on 2 x 2
+HIER = {"grad_reduce": "hierarchical", "grad_accumulation": "rank"}
+INT8, INT4 = {"grad_compression": "int8"}, {"grad_compression": "int4"}
+GATED = dict(grad_accum=2, gate={1}, steps=3, record_grads=True)  # last block idle in the boundary micro-step: flush
+BROKEN = {"wrong_scale": dict(codec="wrong_scale"), "divide_by_nodes": dict(codec="identity", **{"break": "divide_by_nodes"}),
+          "rows_reversed": dict(codec="rows_reversed"), "blocks_rolled": dict(codec="blocks_rolled")}
+EF_STEPS = 12
+#: Residuals of 3 of the 8 LoRA adapters fit: 2 slots x N=2 rows x P=16 fp32 elements each, per rank (2 per node).
+LORA_BUDGET = 2 * 3 * (2 * 2 * 16 * 4)
+SCENARIOS = [
+    dict(name="off_node", fcdp=NODE, **GATED),
+    dict(name="off_hier", fcdp=HIER, grad_accum=2, steps=3, record_grads=True),
+    dict(name="identity_node", fcdp={**NODE, **INT8}, codec="identity", **GATED),
+    dict(name="identity_hier", fcdp={**HIER, **INT8}, codec="identity", grad_accum=2, steps=3, record_grads=True),
+    *[dict(name=f"broken_{k}", fcdp={**NODE, **INT8}, **v, **{**GATED, "steps": 2}) for k, v in BROKEN.items()],
+    dict(name="int8_hier", fcdp={**HIER, **INT8}, grad_accum=2, steps=3),
+    dict(name="int4_hier_device", fcdp={**HIER, **INT4, "grad_buffer_device": "device"}, grad_accum=2, steps=3),
+    # error feedback at fixed weights (lr 0): each step's exact gradient is the same on every path
+    dict(name="ef_off", fcdp=HIER, lr=0.0, steps=EF_STEPS, record_grads=True),
+    dict(name="ef_int4", fcdp={**HIER, **INT4}, lr=0.0, steps=EF_STEPS, record_grads=True),
+    dict(name="ef_int4_no_feedback", fcdp={**HIER, **INT4}, lr=0.0, steps=EF_STEPS, record_grads=True,
+         **{"break": "no_feedback"}),
+    # overflow-skipped third step (fp16 loss scaling's path, injected: no fp16 on the CPU accelerator)
+    dict(name="overflow", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2}, record_residual=True),
+    dict(name="overflow_commit_on_skip", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2},
+         record_residual=True, **{"break": "commit_on_skip"}),
+    dict(name="lora_budget", fcdp={**HIER, **INT8, "grad_buffer_budget": LORA_BUDGET}, lora_rank=2, steps=2),
+    # the residuals cannot be allocated on rank 1: every rank crosses exact
+    dict(name="alloc_fault", fcdp={**HIER, **INT8}, steps=1, fault="alloc_residual_host@1"),
+]
+REFUSALS = [
+    dict(fcdp={**INT8, "grad_reduce": "flat"}),
+    dict(fcdp={**INT8, "ranks_per_node": 4}),  # one node: the plan is flat
+    dict(fcdp=INT4, zero={"zero_quantized_gradients": True}),
+]
+CHECKPOINT = dict(name="ckpt", fcdp={**NODE, **INT8}, grad_accum=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks("compress_grads:compression_runs", 4, timeout=900, scenarios=SCENARIOS,
+                     ckpt_dir=str(tmp_path_factory.mktemp("ckpt")), checkpoint_scenario=CHECKPOINT,
+                     exact_for_checkpoint="off_hier", refusals=REFUSALS)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("exact, identity", [("off_node", "identity_node"), ("off_hier", "identity_hier")])
+def test_identity_codec_is_bit_identical_to_the_exact_path(runs, exact, identity):
+    for per_rank in runs:
+        off, ident = per_rank[exact], per_rank[identity]
+        assert ident["losses"] == off["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(ident["grads"], off["grads"])) and len(off["grads"]) == 3
+        assert ident["stats"][-1]["grad_compressed_exchanges"] > 0 and ident["stats"][-1]["grad_exact_inter_node_bytes"] == 0
+    assert runs[0][exact]["weights"].keys() == runs[0][identity]["weights"].keys()
+    assert all(torch.equal(w, runs[0][identity]["weights"][k]) for k, w in runs[0][exact]["weights"].items())
+    if exact == "off_node":
+        assert runs[0][identity]["stats"][-1]["grad_flushed"] > 0  # the flush path crossed compressed too
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_broken_exchange_fails_the_identity_guard(runs, kind):
+    """Each deliberately broken variant (wrong decode scale, the sum divided by the node count, rows sent to the
+    wrong peers, blocks decoded in the wrong order) is off by far more than rounding at the first boundary."""
+    errors = [rel(per_rank[f"broken_{kind}"]["grads"][0], per_rank["off_node"]["grads"][0]) for per_rank in runs]
+    assert max(errors) > 5e-3, errors
+
+
+def test_compressed_replicas_stay_bitwise_equal_on_every_rank(runs):
+    for name in ("int8_hier", "int4_hier_device", "lora_budget", "overflow"):
+        assert len({per_rank[name]["hash"] for per_rank in runs}) == 1, name
+
+
+@pytest.mark.parametrize("name, codec, low, high", [("int8_hier", "int8", 0.255, 0.285), ("int4_hier_device", "int4", 0.127, 0.15)])
+def test_inter_node_gradient_bytes_drop_by_the_wire_ratio(runs, name, codec, low, high):
+    for per_rank in runs:
+        off, comp = per_rank["off_hier"]["stats"], per_rank[name]["stats"]
+        exact_bytes, calls = off[-1]["inter_node_grad_reduce_bytes"], off[-1]["inter_node_grad_reduce_calls"]
+        s = comp[-1]
+        assert low <= s["inter_node_grad_reduce_bytes"] / exact_bytes <= high
+        # the ledger's bytes are the compressed rows' (the codec's wire model; one bucket row per micro-step)
+        row_numel = exact_bytes // (calls * 4)  # (N - 1) = 1 peer on another node: one fp32 row per call
+        assert s["grad_compressed_inter_node_bytes"] == s["inter_node_grad_reduce_bytes"] == \
+            calls * codec_for(codec, 128).wire_numel(row_numel)
+        assert s["grad_compression"] == codec and s["grad_residual_params"] == 12
+        placed = "grad_residual_device_bytes" if "device" in name else "grad_residual_host_bytes"
+        assert s[placed] == 2 * 4 * 2 * sum(-(-n // 4) for n in (1024, 32) * 6) and s["grad_residual_rel_norm"] > 0
+
+
+def test_error_feedback_tracks_the_exact_sum_over_steps(runs):
+    """At fixed weights (lr 0: every step's exact gradient is the same on each path) the K-step sum of the
+    compressed gradients stays within about one step's rounding of the exact K-step sum with error feedback
+    (it differs by the last residual); without feedback the rounding errors add up (~sqrt(K) here)."""
+    for per_rank in runs:
+        exact, ef, raw = (per_rank[n]["grads"] for n in ("ef_off", "ef_int4", "ef_int4_no_feedback"))
+        total = lambda gs: torch.stack(gs).sum(0)  # noqa: E731
+        err_ef = [(total(ef[:k]) - total(exact[:k])).norm().item() for k in range(1, EF_STEPS + 1)]
+        err_raw = [(total(raw[:k]) - total(exact[:k])).norm().item() for k in range(1, EF_STEPS + 1)]
+        assert err_ef[0] == err_raw[0] > 0  # the first step: no residual yet
+        assert max(err_ef) < 2.0 * err_ef[0], err_ef  # bounded, not growing with K
+        assert err_raw[-1] > 2.0 * err_raw[0], err_raw  # the variant without feedback drifts
+        assert err_ef[-1] < 0.6 * err_raw[-1], (err_ef, err_raw)
+
+
+def test_an_overflow_skipped_step_leaves_the_residual_untouched(runs):
+    for per_rank in runs:
+        run, broken = per_rank["overflow"], per_rank["overflow_commit_on_skip"]
+        assert run["skipped_steps"] == 1 and run["stats"][-1]["grad_residual_restores"] == 1
+        r = run["residuals"]
+        assert r[1].abs().sum() > 0 and torch.equal(r[1], r[2]) and not torch.equal(r[2], r[3])
+        assert not torch.equal(broken["residuals"][1], broken["residuals"][2])  # the broken variant changes it
+
+
+def test_checkpoint_resume_is_bit_identical_and_other_settings_start_from_zero(runs):
+    for per_rank in runs:
+        ck = per_rank["checkpoint"]
+        assert ck["saved_residual"].abs().sum() > 0 and torch.equal(ck["loaded_residual"], ck["saved_residual"])
+        assert ck["resumed"]["losses"] == ck["continued"]["losses"]
+        assert not ck["other_block_residual"].any() and not ck["off_residual"].any()
+        assert ck["zeroed_loads"] == [0, 1, 1]
+    weights = runs[0]["checkpoint"]["resumed"]["weights"]
+    assert weights and all(torch.equal(w, runs[0]["checkpoint"]["continued"]["weights"][k]) for k, w in weights.items())
+
+
+def test_a_residual_budget_covers_a_prefix_and_the_rest_crosses_exact(runs):
+    for rank, per_rank in enumerate(runs):
+        s = per_rank["lora_budget"]["stats"][-1]
+        assert s["grad_residual_params"] == 3 and s["grad_residual_host_bytes"] == LORA_BUDGET // 2
+        # per step, one row to the peer on the other node: 3 adapters' P = 16 elements compressed together, and
+        # the other 5 adapters' rows exact (fp32)
+        assert s["grad_compressed_inter_node_bytes"] == 2 * codec_for("int8", 128).wire_numel(3 * 16)
+        assert s["grad_exact_inter_node_bytes"] == 2 * 5 * 16 * 4
+        assert len(per_rank["lora_budget"]["warnings"]) == (1 if rank == 0 else 0)
+
+
+def test_a_failed_residual_allocation_on_one_rank_is_agreed(runs):
+    for rank, per_rank in enumerate(runs):
+        s = per_rank["alloc_fault"]["stats"][-1]
+        assert s["grad_residual_params"] == 0 and s["grad_residual_host_bytes"] == 0
+        assert s["grad_compressed_inter_node_bytes"] == 0 and s["grad_exact_inter_node_bytes"] == s["inter_node_grad_reduce_bytes"] > 0
+        assert len(per_rank["alloc_fault"]["warnings"]) == (1 if rank == 0 else 0)
+
+
+@pytest.mark.parametrize("i, needle", [(0, "fcdp.grad_compression = 'int8' compresses the inter-node stage"),
+                                       (1, "fcdp.grad_compression = 'int8' compresses the inter-node stage of grad_reduce"),
+                                       (2, "zero_quantized_gradients (ZeRO++ qgZ)")])
+def test_refusals_name_the_key(runs, i, needle):
+    err = runs[0]["refusals"][i]["error"]
+    assert "FCDPConfigError" in err and needle in err and "Fix:" in err, err
+
+
+# -- in-process: the residual store, the dtype refusal -------------------------------------------------------------
+def test_residual_store_commits_by_flipping_slots_and_rescales_for_the_loss_scale():
+    store = ResidualStore(flats=(torch.zeros(8), torch.zeros(8)), offsets={7: (0, 4), 9: (4, 4)}, device="device")
+    assert store.read(7, (2, 2), 1.0) is None  # nothing written: zero
+    store.write(7, torch.full((2, 2), 1.0), 1024.0)
+    assert store.read(7, (2, 2), 1024.0).eq(1.0).all()  # a later exchange of the window reads the pending slot
+    assert store.discard() and store.read(7, (2, 2), 1024.0) is None  # dropped: still zero
+    store.write(7, torch.full((2, 2), 3.0), 1024.0)
+    assert store.commit() == 1 and store.committed[7] == 1
+    store.write(7, torch.full((2, 2), 5.0), 512.0)  # the next window, written at a halved loss scale
+    store.discard()  # skipped: the committed residual stays, in the scale it was written at
+    assert store.read(7, (2, 2), 512.0).eq(1.5).all()  # 3.0 at scale 1024, read at scale 512
+    flat, scales = store.snapshot()
+    assert flat.tolist() == [3.0] * 4 + [0.0] * 4 and scales == [1024.0, None]
+    store.restore(flat, scales)
+    assert store.committed == {} and store.read(7, (2, 2), 1024.0).eq(3.0).all() and store.read(9, (2, 2), 1.0) is None
+
+
+def test_unsupported_dtypes_and_flat_plans_are_refused_by_name():
+    plan = resolve_grad_plan("auto", "auto", 2, 2, 1)
+    check_grad_compression("int8", plan, torch.bfloat16, torch.float32)
+    with pytest.raises(FCDPConfigError, match=r"grad_compression = 'int8' supports fp32, bf16 and fp16 .*torch.float64"):
+        check_grad_compression("int8", plan, torch.float32, torch.float64)
+    with pytest.raises(FCDPConfigError, match=r"this job runs grad_reduce = \"flat\" \(auto, one node"):
+        check_grad_compression("int4", resolve_grad_plan("auto", "auto", 1, 4, 1), torch.float32, torch.float32)
+    with pytest.raises(FCDPConfigError, match="grad_compression = 'int4' compresses the inter-node stage"):
+        parse_fcdp_config({"fcdp": {"enabled": True, "grad_compression": "int4", "grad_reduce": "flat"}})

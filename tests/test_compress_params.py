@@ -1,0 +1,183 @@
+"""``fcdp.param_compression``: the compressed inter-node stage of the two-stage gather (2 nodes x 2, bf16 toy
+model through ``deepspeed.initialize``, one launch for every scenario).
+
+Proves: the identity codec makes the compressed path equal the exact one bit for bit (and messages decoded in
+the wrong peer order break that); every reconstruction is within the codec's bound of the exact value (and a
+decode with the next block's scale breaks that); replicas are bitwise equal on every rank after every step;
+losses stay close to the exact run; the drift is measured and bounded; each case without a reference
+crosses exactly and is counted; LoRA adapters are compressed while the frozen base never crosses nodes again;
+a checkpointed run resumes bit for bit, and checkpoints without (or with other) compression start exact;
+refusals name the key and the fix.
+"""
+from __future__ import annotations
+
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import run_ranks
+from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config, resolved_param_compression
+
+SLOTTED = 6  # the toy model's weights (4 blocks, in, out): 32 x 32, a 256-element partition each; biases cross exactly
+
+
+@pytest.fixture(scope="module")
+def suite():
+    with tempfile.TemporaryDirectory() as ckpt:
+        yield run_ranks("compress:suite", 4, timeout=1500, ckpt_dir=ckpt)
+
+
+def _values(run: dict) -> list:
+    """``(parameter, hash)`` of every gathered value, in forward order (step numbers left out)."""
+    return [(name, digest) for _, name, digest in run["hashes"]]
+
+
+def _same_run(a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"][:len(a["losses"])]
+    assert _values(a) == _values(b)[:len(_values(a))]
+    for key, w in b.get("weights", {}).items():
+        assert torch.equal(w, a["weights"][key]), key
+
+
+def _inter_node_param_bytes(stats: dict) -> tuple[int, int]:
+    return stats["inter_node_param_compressed_bytes"], stats["inter_node_param_exact_bytes"]
+
+
+def test_identity_codec_equals_the_exact_path_bit_for_bit(suite):
+    for per_rank in suite:
+        _same_run(per_rank["identity"], per_rank["off"])
+        assert per_rank["identity"]["stats"][-1]["param_compressed_gathers"] > 0  # the compressed path ran
+        assert per_rank["identity"]["stats"][-1]["param_compression"] == "identity"
+
+
+def test_messages_decoded_in_the_wrong_peer_order_fail_the_identity_check(suite):
+    for per_rank in suite:
+        broken, exact = per_rank["identity_peer_order"], per_rank["off"]
+        assert broken["losses"][0] == exact["losses"][0]  # step 1 crosses exactly (no reference yet)
+        assert broken["hashes"] != exact["hashes"][:len(broken["hashes"])]
+        assert broken["losses"][1] != exact["losses"][1]
+
+
+def test_reconstructions_stay_within_the_codec_bound(suite):
+    for per_rank in suite:
+        for name in ("int8", "int4", "offload"):
+            assert per_rank[name]["violations"] == [], (name, per_rank[name]["violations"][:3])
+            assert per_rank[name]["max_rel"] > 0  # lossy: the check saw reconstructions
+
+
+def test_offload_param_is_compressed_too(suite):
+    for per_rank in suite:
+        assert per_rank["offload"]["stats"][-1]["param_compressed_gathers"] == 2 * SLOTTED
+
+
+def test_a_decode_with_the_next_blocks_scale_breaks_the_bound(suite):
+    assert any(per_rank["wrong_scale"]["violations"] for per_rank in suite)
+
+
+def test_replicas_are_bitwise_equal_on_every_rank_after_every_step(suite):
+    for name in ("int8", "int4", "lora", "events", "offload"):
+        first = sorted(suite[0][name]["hashes"])
+        assert first and all(sorted(r[name]["hashes"]) == first for r in suite[1:]), name
+
+
+def test_losses_close_to_exact_and_drift_bounded(suite):
+    for per_rank in suite:
+        exact = per_rank["off"]["losses"]
+        for name, tol in (("int8", 2e-3), ("int4", 2e-2)):
+            run = per_rank[name]
+            for a, b in zip(exact, run["losses"]):
+                assert abs(a - b) <= tol * abs(a), (name, exact, run["losses"])
+            stats = run["stats"]
+            assert stats[0]["param_compressed_gathers"] == 0 and stats[0]["param_exact_gathers"] == {"first gather": SLOTTED}
+            assert stats[-1]["param_compressed_gathers"] == SLOTTED * (len(stats) - 1)
+            drift = [s["param_drift_max"] for s in stats[1:]]
+            assert all(0 < d < (0.02 if name == "int4" else 2e-3) for d in drift), (name, drift)
+            assert abs(run["max_rel"] - stats[-1]["param_drift_max"]) <= 1e-6  # the stats measure what the test does
+            assert max(drift[len(drift) // 2:]) <= 2 * max(drift[:len(drift) // 2])  # no accumulation
+
+
+def test_compressed_bytes_per_step(suite):
+    """Per step after the first, the weights' stage 1 carries int8 (int4) codes and a scale per block instead of
+    bf16 values; the biases still cross exactly."""
+    for per_rank in suite:
+        off = per_rank["off"]["stats"]
+        exact_step = off[1]["inter_node_allgather_bytes"] - off[0]["inter_node_allgather_bytes"]
+        # one weight per coalesced gather: a 256-element message, 2 fp32 scales + codes, padded to 16 bytes
+        for name, message in (("int8", 272), ("int4", 144)):
+            s = per_rank[name]["stats"]
+            step = s[2]["inter_node_allgather_bytes"] - s[1]["inter_node_allgather_bytes"]
+            compressed = s[2]["inter_node_param_compressed_bytes"] - s[1]["inter_node_param_compressed_bytes"]
+            exact = s[2]["inter_node_param_exact_bytes"] - s[1]["inter_node_param_exact_bytes"]
+            assert step == compressed + exact < exact_step
+            assert compressed == SLOTTED * message, (name, compressed)  # one peer's message per weight (2 nodes)
+            assert exact == SLOTTED * 8 * 2  # the biases: 8-element bf16 partitions
+
+
+def test_each_case_without_a_reference_crosses_exactly(suite):
+    for per_rank in suite:
+        stats = per_rank["events"]["stats"]
+        assert stats[-1]["param_exact_gathers"] == {"first gather": SLOTTED, "weights restored": SLOTTED,
+                                                    "refresh": SLOTTED, "modified in place": 1, "requires_grad flip": 1}
+        assert stats[-1]["param_refreshes"] == 2  # after steps 3 and 6
+        for i in (2, 3):  # refresh_fp32_params before step 3, the periodic refresh after it: all exact
+            assert stats[i]["param_compressed_gathers"] == stats[i - 1]["param_compressed_gathers"]
+        for i in (1, 4, 5):
+            assert stats[i]["param_compressed_gathers"] > stats[i - 1]["param_compressed_gathers"]
+        assert stats[5]["param_compressed_gathers"] - stats[4]["param_compressed_gathers"] == SLOTTED - 2
+        assert stats[-1]["verified_hits"] > 0 and stats[-1]["verified_gathers"] > 0  # verify ran on the exact values
+
+
+def test_lora_adapters_compressed_frozen_base_never_crosses(suite):
+    for per_rank in suite:
+        stats = per_rank["lora"]["stats"]
+        assert stats[-1]["param_compressed_gathers"] > 0
+        for before, after in zip(stats[1:], stats[2:]):
+            inter = after["inter_node_allgather_bytes"] - before["inter_node_allgather_bytes"]
+            compressed = after["inter_node_param_compressed_bytes"] - before["inter_node_param_compressed_bytes"]
+            assert inter == compressed > 0  # only the adapters' compressed messages cross nodes
+
+
+def test_a_reference_that_does_not_fit_crosses_exactly_on_every_rank(suite):
+    for per_rank in suite:
+        stats = per_rank["no_room"]["stats"][-1]
+        assert stats["param_reference_slots"] == 0 and stats["param_compressed_gathers"] == 0
+        assert stats["inter_node_param_compressed_bytes"] == 0 and stats["param_exact_gathers"] == {}
+    assert len(suite[0]["no_room"]["logs"]) == 1
+
+
+def test_checkpoint_resume_is_bit_identical_and_foreign_checkpoints_start_exact(suite):
+    for per_rank in suite:
+        resumed, uninterrupted = per_rank["resumed"], per_rank["uninterrupted"]
+        tail = uninterrupted["hashes"][-len(resumed["hashes"]):]  # the steps after the save
+        _same_run(resumed, {**uninterrupted, "hashes": tail})
+        assert per_rank["resumed"]["stats"][0]["param_exact_gathers"] == {}  # references came back
+        for name in ("from_off", "other_block"):
+            stats = per_rank[name]["stats"][0]
+            assert stats["param_exact_gathers"] == {"checkpoint load": SLOTTED} and stats["param_compressed_gathers"] == 0
+
+
+def test_one_node_makes_compression_a_no_op_with_one_log_line(suite):
+    one = suite[0]["one_node"]
+    assert one["stats"]["param_compression"] == "off" and len(one["logs"]) == 1 and "no effect" in one["logs"][0]
+
+
+def test_refusals_name_the_key_and_the_fix():
+    with pytest.raises(FCDPConfigError, match=r"param_compression = \"int8\".*param_gather = \"flat\".*Fix"):
+        parse_fcdp_config({"fcdp": {"param_compression": "int8", "param_gather": "flat"}})
+    with pytest.raises(FCDPConfigError, match="param_refresh_interval"):
+        parse_fcdp_config({"fcdp": {"param_refresh_interval": -1}})
+    cfg = parse_fcdp_config({"fcdp": {"param_compression": "int4"}})
+    assert cfg.param_refresh_interval == 100
+    assert [resolved_param_compression(cfg, n, l) for n, l in ((2, 2), (1, 8), (4, 1))] == ["int4", "off", "off"]
+    from fcdp_deepspeed.runtime.compression import _candidates
+
+    class FakeParam:  # hashable, as a Parameter
+        ds_id, requires_grad, ds_persist, ds_numel = 1, True, False, 64
+        ds_tensor = SimpleNamespace(dtype=torch.float8_e4m3fn, ds_numel=16)
+
+    fp8 = FakeParam()
+    gather = SimpleNamespace(unsupported=lambda params, quantize: "")
+    with pytest.raises(FCDPConfigError, match=r"param_compression = \"int8\".*float8_e4m3fn.*Fix"):
+        _candidates([fp8], frozenset({1}), gather, "int8", {})

@@ -1,0 +1,207 @@
+"""Rank workers of test_compress_grads.py: the compressed inter-node gradient stage (``fcdp.grad_compression``)
+through ``deepspeed.initialize`` on 2 nodes x 2, every scenario in one launch.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from deepspeed import comm as dist
+from deepspeed.utils import safe_get_local_grad
+
+import fcdp_deepspeed
+from fcdp_deepspeed.compress import IdentityCodec
+from fcdp_deepspeed.compress import grads as compress_grads
+from fcdp_deepspeed.compress.residual import ResidualStore
+from fcdp_deepspeed.grads import own_chunk_numel
+from fcdp_deepspeed.tools import toy
+from workers import grads as grad_workers
+from workers.common import LogCapture, setup
+
+BLOCK = 128
+
+
+class WrongScale(IdentityCodec):
+    """Decodes 1 + 2^-7 times what was encoded (a scale that does not match the sender's)."""
+
+    def decode_rows(self, packed, numel):
+        return super().decode_rows(packed, numel) * (1 + 2**-7)
+
+
+class RowsReversed(IdentityCodec):
+    """Sends row q to peer N-1-q (the wrong row order)."""
+
+    def encode_rows(self, x):
+        return super().encode_rows(x).flip(0)
+
+
+class BlocksRolled(IdentityCodec):
+    """Decodes each row's blocks in the wrong order (rolled by one block)."""
+
+    def decode_rows(self, packed, numel):
+        return super().decode_rows(packed, numel).roll(self.block, dims=1)
+
+
+CODECS = {"identity": IdentityCodec, "wrong_scale": WrongScale, "rows_reversed": RowsReversed,
+          "blocks_rolled": BlocksRolled}
+
+
+@contextlib.contextmanager
+def sabotaged(kind: str) -> Iterator[None]:
+    """Deliberately broken variants of the compressed stage (undone afterwards)."""
+    cls, name = compress_grads.GradCompressor, None
+    saved = {}
+    if kind == "divide_by_nodes":  # the decoded sum divided by the node count (qgZ's wrong factor)
+        name, original = "exchange", cls.exchange
+        saved = {name: original}
+        cls.exchange = lambda self, sums, ids: [t / self.layout.nodes for t in original(self, sums, ids)]
+    elif kind == "no_feedback":  # no error feedback: the residual is never added
+        saved = {"read": ResidualStore.read}
+        ResidualStore.read = lambda self, ds_id, shape, loss_scale: None
+    elif kind == "commit_on_skip":  # an overflow-skipped step commits its residual anyway
+        name, original = "discard", cls.discard
+        saved = {name: original}
+        cls.discard = lambda self, skipped: self.commit() if skipped else original(self, skipped)
+    elif kind:
+        raise ValueError(kind)
+    try:
+        yield
+    finally:
+        for attr, fn in saved.items():
+            setattr(ResidualStore if attr == "read" else cls, attr, fn)
+
+
+@contextlib.contextmanager
+def test_codec(name: Optional[str], block: int = BLOCK) -> Iterator[None]:
+    compress_grads.TEST_CODEC = CODECS[name]("identity", block) if name else None
+    try:
+        yield
+    finally:
+        compress_grads.TEST_CODEC = None
+
+
+def rank0(weights: dict) -> dict:
+    """What rank 0 reports of a collective's result (the others return nothing)."""
+    return weights if dist.get_rank() == 0 else {}
+
+
+def config(sc: dict) -> dict:
+    block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})}
+    cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), **sc.get("zero", {}))
+    return cfg
+
+
+def residual(engine) -> torch.Tensor:
+    """This rank's committed residuals, flat (zeros before any was written)."""
+    store = engine.optimizer.fcdp_grads.comm.compressor.store
+    flat, _ = store.snapshot()
+    total = sum(n for _, n in store.offsets.values())
+    return torch.zeros(total) if flat is None else flat.float().clone()
+
+
+def partitions(engine) -> torch.Tensor:
+    """This rank's gradient partitions of every trainable parameter, float64, flat (at a boundary)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for _, p in engine.module.named_parameters():
+        if p.requires_grad:
+            own = own_chunk_numel(p.ds_numel, world, rank)
+            out.append(safe_get_local_grad(p).reshape(-1)[:own].double().clone())
+    return torch.cat(out)
+
+
+def model_hash(engine) -> str:
+    """sha256 of the full model as this rank gathers it (every rank gathers)."""
+    h = hashlib.sha256()
+    for name, w in sorted(toy.gather_weights(engine).items()):
+        h.update(name.encode())
+        h.update(w.numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
+    """Optimizer steps with per-step stats; optionally the partitions at each boundary and the residual after each
+    step."""
+    ga, hidden = engine.gradient_accumulation_steps(), 32
+    out: dict = {"losses": [], "stats": [], "grads": [], "residuals": []}
+    micro = 0
+    for _ in range(sc.get("steps", 3) if steps is None else steps):
+        for _ in range(ga):
+            x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden, seed)
+            loss = F.mse_loss(engine(x, **grad_workers.gate(sc, micro)), y)
+            engine.backward(loss)
+            if sc.get("record_grads") and engine.is_gradient_accumulation_boundary():
+                out["grads"].append(partitions(engine))
+            engine.step()
+            out["losses"].append(loss.item())
+            micro += 1
+        if sc.get("record_residual"):
+            out["residuals"].append(residual(engine))
+        out["stats"].append(fcdp_deepspeed.get_stats(engine))
+    return out
+
+
+def run(sc: dict) -> dict:
+    if sc.get("fault"):
+        os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
+    with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")):
+        try:
+            engine = grad_workers.build(sc, config(sc))
+        finally:
+            os.environ.pop("FCDP_INJECT_FAULT", None)
+        if sc.get("overflow_at"):
+            grad_workers.inject_overflow(engine, sc["overflow_at"])
+        res = train(engine, sc)
+    res["skipped_steps"] = engine.skipped_steps
+    res["hash"] = model_hash(engine)
+    res["weights"] = rank0(toy.gather_weights(engine))
+    res["engine"] = engine
+    return res
+
+
+def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
+    """Save mid-run and resume into a fresh engine; load into another block size; load an uncompressed checkpoint."""
+    engine = grad_workers.build(sc, config(sc))
+    train(engine, sc, steps=2)
+    engine.save_checkpoint(ckpt_dir, tag="int8")
+    saved = residual(engine)
+    out = {"saved_residual": saved, "continued": train(engine, sc, seed=5, steps=2)}
+    out["continued"]["weights"] = rank0(toy.gather_weights(engine))  # collective: every rank gathers
+    fresh = toy.build_engine(config(sc), seed=99)  # another init: the load must overwrite everything
+    fresh.load_checkpoint(ckpt_dir, tag="int8")
+    out["loaded_residual"] = residual(fresh)
+    out["resumed"] = train(fresh, sc, seed=5, steps=2)
+    out["resumed"]["weights"] = rank0(toy.gather_weights(fresh))
+    other = toy.build_engine(config({**sc, "fcdp": {**sc["fcdp"], "compression_block": 64}}), seed=99)
+    other.load_checkpoint(ckpt_dir, tag="int8")
+    out["other_block_residual"] = residual(other)
+    off_engine.save_checkpoint(ckpt_dir, tag="off")
+    trained = grad_workers.build(sc, config(sc))
+    train(trained, sc, steps=1)  # nonzero residuals, then a checkpoint without any
+    trained.load_checkpoint(ckpt_dir, tag="off")
+    out["off_residual"] = residual(trained)
+    out["zeroed_loads"] = [fcdp_deepspeed.get_stats(e)["grad_residual_zeroed_loads"] for e in (fresh, other, trained)]
+    return out
+
+
+def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: dict, exact_for_checkpoint: str,
+                     refusals: list[dict]) -> dict:
+    """Every scenario (one engine each), then the checkpoint flow and the refusals, in one launch."""
+    setup(2)
+    log = LogCapture()
+    out: dict = {}
+    engines = {}
+    for sc in scenarios:
+        first = len(log.messages)
+        res = run(sc)
+        engines[sc["name"]] = res.pop("engine")
+        res["warnings"] = [m for m in log.messages[first:] if m.startswith("fcdp:") and "residuals need" in m]
+        out[sc["name"]] = res
+    out["checkpoint"] = checkpoint(ckpt_dir, checkpoint_scenario, engines[exact_for_checkpoint])
+    out["refusals"] = grad_workers.refusals(refusals)
+    return out
