@@ -29,6 +29,7 @@ USES = {
     "configs/zero3_fcdp.json": ("deepspeed",),  # a plain ZeRO-3 config plus the block
     "examples/train_toy.py": ("tests/test_autoload_install.py", "tests/test_integrations.py"),
     "examples/hf_gpt2_trainer.py": ("tests/test_integrations.py",),
+    "examples/train_elastic.py": ("tests/test_elastic.py",),  # docs/reliability.md: a resumable script, killed
     "examples/hf_lora.py": ("tests/workers/hf.py",),  # what tests/test_hf.py runs on every rank
 }
 

@@ -122,6 +122,10 @@ def stage_ranges(group_spans_nodes) -> Iterator[None]:
     class _Ranged:
         def allgather_fn(self, output_tensor, input_tensor, group=None, async_op=False, **kwargs):
             stage1 = group_spans_nodes(group)
+            if stage1 and not async_op:  # [Note: streams] in gather.py: synchronous on the gather stream, so the
+                # call is its own wait (NCCL: an enqueue; a host stall shows here)
+                with torch.profiler.record_function(STAGE_RANGES[0]), torch.profiler.record_function(STAGE_RANGES[1]):
+                    return comm.allgather_fn(output_tensor, input_tensor, group=group, async_op=async_op, **kwargs)
             with torch.profiler.record_function(STAGE_RANGES[0] if stage1 else STAGE_RANGES[2]):
                 work = comm.allgather_fn(output_tensor, input_tensor, group=group, async_op=async_op, **kwargs)
             return _Waited(work) if stage1 and async_op else work
@@ -141,8 +145,8 @@ def gather_timeline(events: Iterable) -> dict:
 
     - ``host_stage1_to_stage2_us``: per gather, host time from issuing stage 1 to issuing stage 2 (what the host
       spends on stage 1 before the node stage can start: its ``wait()`` included);
-    - ``host_stage1_wait_us``: the host time inside stage 1's ``wait()`` (NCCL: a stream wait, near zero; a
-      host stall shows here);
+    - ``host_stage1_wait_us``: the host time inside stage 1's ``wait()``, or inside the whole stage-1 call where it
+      is synchronous on the gather stream (NCCL: a stream wait or an enqueue, near zero; a host stall shows here);
     - ``nccl_kernels``: ``(stream, start, end)`` of each all-gather kernel; ``ordered``: on every stream pair,
       no kernel of the second stage's stream starts before the first stage's preceding kernel ended
       (``None`` without kernels, e.g. a fake process group).

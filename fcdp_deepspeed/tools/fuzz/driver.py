@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from typing import Any, Mapping, Optional
 
 from fcdp_deepspeed.tools.fuzz.server import recv, send
@@ -65,13 +66,24 @@ class RankServer:
         self.outcome = outcome
         self.thread = threading.Thread(target=ranks, name="fcdp-rank-server", daemon=True)
         self.thread.start()
-        try:
-            conn, _ = listener.accept()
-        except socket.timeout:
+        # [Note: a server that dies before it connects] poll, so ranks that fail at start-up end the wait at once
+        listener.settimeout(1.0)
+        deadline = time.monotonic() + self.start_timeout
+        conn = None
+        while conn is None:
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                if "error" in outcome or not self.thread.is_alive():
+                    listener.close()
+                    raise RankServerDied(f"the rank server failed before it connected: {outcome.get('error')}")
+                if time.monotonic() > deadline:
+                    conn = None
+                    break
+        listener.close()
+        if conn is None:
             raise RankServerDied(f"the rank server did not connect within {self.start_timeout:.0f} s: "
-                                 f"{outcome.get('error')}") from None
-        finally:
-            listener.close()
+                                 f"{outcome.get('error')}")
         conn.settimeout(self.start_timeout)
         hello = recv(conn)
         self.sock, self.pids = conn, list(hello["pids"])

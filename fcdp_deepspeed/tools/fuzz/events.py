@@ -117,7 +117,7 @@ class Sequence:
             self.coverage.update({k: stats[k] for k in COVERAGE_KEYS})
             self.coverage.update({f"invalidations.{k}": v for k, v in stats["invalidations"].items()})
             self.coverage["engines"] += 1
-            self.coverage["engines promoted to device"] += int(rt.allocation.promoted)
+            self.coverage["engines promoted to device"] += int(rt.promotion.promoted)
             self.coverage["slots on device"] += sum(e.placement is Placement.DEVICE for e in rt.cache.entries.values())
             self.coverage["uncached params"] += stats["uncached_params"]
 
