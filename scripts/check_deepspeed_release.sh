@@ -58,5 +58,5 @@ if ! timeout 1800 nice -n 5 "$py" -c "from deepspeed.comm.torch import build_shm
 fi
 echo "shm op ready at $((SECONDS - start)) s"
 smoke=$SECONDS
-PYTHONPATH="$PWD" "$py" -m pytest -ra -q -p no:cacheprovider tests/test_release_smoke.py "$@"
+FCDP_TESTS=full PYTHONPATH="$PWD" "$py" -m pytest -ra -q -p no:cacheprovider tests/test_release_smoke.py "$@"
 echo "deepspeed $version: smoke $((SECONDS - smoke)) s, total $((SECONDS - start)) s"

@@ -20,6 +20,40 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 TESTS_DIR = str(Path(__file__).parent)
 
+# [Note: the full tier] CI (``bash scripts/test.sh``) must finish within 25 minutes on 2 cores. These tests
+# repeat at a larger layout, under a second launcher or through a second front end what a CI test already
+# checks on 2 nodes x 2; they run with ``FCDP_TESTS=full bash scripts/test.sh`` (docs/testing.md, "Tiers")
+# and are reported as skipped, with the reason, everywhere else. Node-id prefixes -> what CI covers instead.
+FULL_TIER = {
+    "tests/test_grads.py::test_partitions_within_zero3_error_2x4": "the 2x2 float64-reference bound",
+    "tests/test_gather.py::test_four_nodes_x_two_and_megatron_tp2": "the 2x2 two-stage gather and test_topology",
+    "tests/test_gather.py::test_bit_identical_to_flat_2x4": "test_bit_identical_to_flat_2x2",
+    "tests/test_gather.py::test_inter_node_bytes_per_miss_are_the_bound[8-4]": "the [4-2] case",
+    "tests/test_planner.py::test_planner_within_10_percent_of_emulated_cluster": "the committed emulator runs",
+    "tests/test_integrations.py::test_grad_modes_under_deepspeed_launcher": "test_run_module_under_torchrun_matches_plain",
+    "tests/test_integrations.py::test_run_module_without_block_is_plain_zero3": "test_autoload_install (block off)",
+    "tests/test_integrations.py::test_run_module_under_deepspeed_launcher": "test_autoload_install (deepspeed launcher)",
+    "tests/test_integrations.py::test_plain_hf_script_logs_fcdp_counters_under_both_launchers":
+        "test_hf's Trainer counters and the startup-hook tests",
+    "tests/test_hf.py::test_full_finetune_matches_zero3_with_half_the_inter_node_traffic[accelerate]": "[trainer]",
+    "tests/test_hf.py::test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic[accelerate]": "[trainer]",
+    "tests/test_hf.py::test_trainer_with_node_gradient_accumulation_matches_zero3": "test_grads' node accumulation",
+    "tests/test_topology.py::test_megatron_layout_tp2_on_2_nodes_x_4": "the Megatron TP layout on 2x2",
+    "tests/test_checkpoints.py::test_rank_killed_mid_step_leaves_a_loadable_checkpoint": "test_elastic's node kill",
+    "tests/test_forkserver.py::test_ranks_see_their_environment_at_import_and_at_run[spawned]": "[forked]",
+    # scripts/check_deepspeed_release.sh sets FCDP_TESTS=full: the compatibility stage runs it on 0.16-0.18
+    "tests/test_release_smoke.py": "the whole suite on 0.19.8",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("FCDP_TESTS") == "full":
+        return
+    for item in items:
+        reason = next((why for prefix, why in FULL_TIER.items() if item.nodeid.startswith(prefix)), None)
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=f"full tier (FCDP_TESTS=full); CI covers it by {reason}"))
+
 
 def worker_target(worker: str) -> str:
     """``"<concern>:<function>"`` -> the ``module:function`` a rank imports (``tests/`` on its path)."""
