@@ -105,8 +105,7 @@ def test_a_few_steps_on_four_ranks_agree_bit_for_bit(tmp_path):
 
 
 #: The committed int4 runs miss the 1% target (1.0151x fp32, 1.0224x bf16: docs/BENCHMARKS.md, "Compression:
-#: convergence on real text"); a
-#: change that makes them worse than this fails.
+#: convergence on real text"); a change that makes them worse than this fails.
 INT4_DOCUMENTED_BOUND = 1.03
 
 
