@@ -38,6 +38,10 @@ FULL_TIER = {
     "tests/test_hf.py::test_full_finetune_matches_zero3_with_half_the_inter_node_traffic[accelerate]": "[trainer]",
     "tests/test_hf.py::test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic[accelerate]": "[trainer]",
     "tests/test_hf.py::test_trainer_with_node_gradient_accumulation_matches_zero3": "test_grads' node accumulation",
+    "tests/test_hf.py::test_full_finetune_matches_zero3_with_half_the_inter_node_traffic[trainer]":
+        "test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic[trainer] and test_grads' full fine-tuning",
+    "tests/test_integrations.py::test_run_module_under_torchrun_matches_plain":
+        "test_autoload_install's unmodified script under torchrun (wheel and editable)",
     "tests/test_topology.py::test_megatron_layout_tp2_on_2_nodes_x_4": "the Megatron TP layout on 2x2",
     "tests/test_checkpoints.py::test_rank_killed_mid_step_leaves_a_loadable_checkpoint": "test_elastic's node kill",
     "tests/test_parity.py::test_edge_parameters[100-fp32]": "the [0-fp32] and [0-bf16] cases",
