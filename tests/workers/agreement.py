@@ -19,7 +19,7 @@ from deepspeed.utils import groups
 
 import fcdp_deepspeed
 from fcdp_deepspeed.tools import toy
-from workers.common import fcdp_block, setup
+from workers.common import GroupMPU, fcdp_block, setup
 
 #: Expert-parallel size of the MoE-like parameters: experts {0,1} | {2,3}, expert-DP groups {0,2} | {1,3}.
 EP_SIZE = 2
@@ -114,49 +114,12 @@ def expert_refill(steps: int = 2, layers: int = 2) -> dict:
     return out
 
 
-class StageMPU:
-    """The part of a Megatron-style ``mpu`` DeepSpeed reads, for data-parallel groups of different shapes
-    in one job (as pipeline stages spread over different numbers of nodes): ``dp_groups`` partitions the
-    world, tensor parallelism is 1. Every rank creates every group in the same order."""
+class StageMPU(GroupMPU):
+    """Data-parallel groups of different shapes in one job (as pipeline stages spread over different numbers of
+    nodes): ``dp_groups`` partitions the world, tensor parallelism is 1 (a group of one per rank)."""
 
     def __init__(self, dp_groups: list[list[int]]) -> None:
-        rank = dist.get_rank()
-        for r in range(dist.get_world_size()):
-            g = dist.new_group([r])
-            if r == rank:
-                self._tp = g
-        for ranks in dp_groups:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._dp, self._dp_ranks = g, ranks
-
-    def get_data_parallel_group(self):
-        return self._dp
-
-    def get_data_parallel_rank(self):
-        return self._dp_ranks.index(dist.get_rank())
-
-    def get_data_parallel_world_size(self):
-        return len(self._dp_ranks)
-
-    def get_data_parallel_group_ranks(self):
-        return list(self._dp_ranks)
-
-    def get_model_parallel_group(self):
-        return self._tp
-
-    def get_model_parallel_rank(self):
-        return 0
-
-    def get_model_parallel_world_size(self):
-        return 1
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-
-    def get_tensor_model_parallel_src_rank(self):
-        return dist.get_rank()
+        super().__init__([[r] for r in range(dist.get_world_size())], dp_groups)
 
 
 def _world_group_works() -> bool:

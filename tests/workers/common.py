@@ -73,3 +73,50 @@ class LogCapture:
     def fcdp(self, needle: str = "", min_level: int = 0) -> list[str]:
         return [m for m, level in zip(self.messages, self.levels)
                 if m.startswith("fcdp:") and needle in m and level >= min_level]
+
+
+class GroupMPU:
+    """The part of a Megatron-style ``mpu`` DeepSpeed reads, over given tensor- and data-parallel groups (each a
+    partition of the world). Every rank creates every group, in the same order: tensor-parallel, then
+    data-parallel."""
+
+    def __init__(self, tp_groups: list[list[int]], dp_groups: list[list[int]]) -> None:
+        rank = dist.get_rank()
+        self.tp_groups, self.dp_groups = tp_groups, dp_groups
+        self._tp = self._dp = None
+        for ranks in tp_groups:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._tp, self._tp_ranks = g, ranks
+        for ranks in dp_groups:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self._dp, self._dp_ranks = g, ranks
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self):
+        return self._dp_ranks.index(dist.get_rank())
+
+    def get_data_parallel_world_size(self):
+        return len(self._dp_ranks)
+
+    def get_data_parallel_group_ranks(self):
+        return list(self._dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self._tp
+
+    def get_model_parallel_rank(self):
+        return self._tp_ranks.index(dist.get_rank())
+
+    def get_model_parallel_world_size(self):
+        return len(self._tp_ranks)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self._tp_ranks[0]

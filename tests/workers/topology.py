@@ -7,7 +7,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.tools import toy
-from workers.common import fcdp_block, run_scenario, setup
+from workers.common import GroupMPU, fcdp_block, run_scenario, setup
 
 
 def launcher_parity(steps: int = 3) -> dict:
@@ -29,49 +29,14 @@ def topology_error(ranks_per_node=None) -> str:
     return "no error"
 
 
-class MiniMPU:
-    """The part of Megatron's ``mpu`` that DeepSpeed uses, built the way Megatron builds groups:
-    tensor-parallel peers are adjacent ranks, data-parallel groups stride over them."""
+class MiniMPU(GroupMPU):
+    """Megatron's group layout: tensor-parallel peers are adjacent ranks, data-parallel groups stride over them."""
 
     def __init__(self, tp: int) -> None:
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world = dist.get_world_size()
         self.tp = tp
-        self.tp_groups = [list(range(i, i + tp)) for i in range(0, world, tp)]
-        self.dp_groups = [list(range(j, world, tp)) for j in range(tp)]
-        self._tp = self._dp = None
-        for ranks in self.tp_groups:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._tp, self._tp_ranks = g, ranks
-        for ranks in self.dp_groups:
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                self._dp, self._dp_ranks = g, ranks
-
-    def get_data_parallel_group(self):
-        return self._dp
-
-    def get_data_parallel_rank(self):
-        return self._dp_ranks.index(dist.get_rank())
-
-    def get_data_parallel_world_size(self):
-        return len(self._dp_ranks)
-
-    def get_model_parallel_group(self):
-        return self._tp
-
-    def get_model_parallel_rank(self):
-        return self._tp_ranks.index(dist.get_rank())
-
-    def get_model_parallel_world_size(self):
-        return self.tp
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-
-    def get_tensor_model_parallel_src_rank(self):
-        return self._tp_ranks[0]
+        super().__init__([list(range(i, i + tp)) for i in range(0, world, tp)],
+                         [list(range(j, world, tp)) for j in range(tp)])
 
 
 def megatron_layout(steps: int = 3, tp: int = 2, ranks_per_node: int = 4) -> dict:
