@@ -69,21 +69,19 @@ class RankServer:
         # [Note: a server that dies before it connects] poll, so ranks that fail at start-up end the wait at once
         listener.settimeout(1.0)
         deadline = time.monotonic() + self.start_timeout
-        conn = None
-        while conn is None:
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                if "error" in outcome or not self.thread.is_alive():
-                    listener.close()
-                    raise RankServerDied(f"the rank server failed before it connected: {outcome.get('error')}")
-                if time.monotonic() > deadline:
-                    conn = None
+        try:
+            while True:
+                try:
+                    conn, _ = listener.accept()
                     break
-        listener.close()
-        if conn is None:
-            raise RankServerDied(f"the rank server did not connect within {self.start_timeout:.0f} s: "
-                                 f"{outcome.get('error')}")
+                except socket.timeout:
+                    if "error" in outcome or not self.thread.is_alive():
+                        raise RankServerDied(f"the rank server failed before it connected: {outcome.get('error')}")
+                    if time.monotonic() > deadline:
+                        raise RankServerDied(f"the rank server did not connect within {self.start_timeout:.0f} s: "
+                                             f"{outcome.get('error')}")
+        finally:
+            listener.close()
         conn.settimeout(self.start_timeout)
         hello = recv(conn)
         self.sock, self.pids = conn, list(hello["pids"])
