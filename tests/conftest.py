@@ -30,7 +30,8 @@ FULL_TIER = {
     "tests/test_gather.py::test_bit_identical_to_flat_2x4": "test_bit_identical_to_flat_2x2",
     "tests/test_gather.py::test_inter_node_bytes_per_miss_are_the_bound[8-4]": "the [4-2] case",
     "tests/test_planner.py::test_planner_within_10_percent_of_emulated_cluster": "the committed emulator runs",
-    "tests/test_integrations.py::test_grad_modes_under_deepspeed_launcher": "test_run_module_under_torchrun_matches_plain",
+    "tests/test_integrations.py::test_grad_modes_under_deepspeed_launcher":
+        "test_grads' gradient modes and test_autoload_install's deepspeed launcher",
     "tests/test_integrations.py::test_run_module_without_block_is_plain_zero3": "test_autoload_install (block off)",
     "tests/test_integrations.py::test_run_module_under_deepspeed_launcher": "test_autoload_install (deepspeed launcher)",
     "tests/test_integrations.py::test_plain_hf_script_logs_fcdp_counters_under_both_launchers":
@@ -64,16 +65,21 @@ def full_tier() -> bool:
     return os.environ.get("FCDP_TESTS") == "full"
 
 
+def _full_tier_reason(nodeid: str) -> str | None:
+    """What CI runs instead, for a test of the full tier (``None``: a CI test)."""
+    return next((why for prefix, why in FULL_TIER.items() if nodeid.startswith(prefix)), None)
+
+
 def in_ci_tier(nodeid: str) -> bool:
     """Whether ``nodeid`` runs in this run (a fixture builds only the scenarios its running tests read)."""
-    return full_tier() or not any(nodeid.startswith(prefix) for prefix in FULL_TIER)
+    return full_tier() or _full_tier_reason(nodeid) is None
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     if full_tier():
         return
     for item in items:
-        reason = next((why for prefix, why in FULL_TIER.items() if item.nodeid.startswith(prefix)), None)
+        reason = _full_tier_reason(item.nodeid)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"full tier (FCDP_TESTS=full); CI covers it by {reason}"))
 
