@@ -205,7 +205,8 @@ class FCDPConfig(DeepSpeedConfigModel):
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
     compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
-    """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing)."""
+    """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing; a power of two with
+    ``grad_compression: int4``, whose blocks are rotated)."""
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
@@ -217,6 +218,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
         _refuse_flat_compression(data)
         _compression_needs_the_two_stage_gather(data)
+        _rotated_int4_needs_a_power_of_two_block(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -269,6 +271,19 @@ class FCDPConfig(DeepSpeedConfigModel):
         if isinstance(self.verify, bool):
             return 1.0 if self.verify else 0.0
         return float(self.verify)
+
+
+def _rotated_int4_needs_a_power_of_two_block(data: Any) -> None:
+    """``grad_compression: int4`` rotates each block by a Walsh-Hadamard matrix (``compress/quant.py``, [Note: the
+    rotation]), which exists for power-of-two sizes only."""
+    if not isinstance(data, Mapping) or data.get("grad_compression") != "int4":
+        return
+    block = data.get("compression_block", 128)
+    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and block & (block - 1):
+        low = 1 << (block.bit_length() - 1)
+        raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.grad_compression = \"int4\": int4 gradients "
+                              f"are rotated blockwise by a Walsh-Hadamard transform, which needs a power-of-two block. "
+                              f"Fix: set compression_block to {low} or {low * 2}.")
 
 
 def _compression_needs_the_two_stage_gather(data: Any) -> None:

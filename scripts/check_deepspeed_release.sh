@@ -2,7 +2,9 @@
 # Check one DeepSpeed release: build .venv-ds-VERSION from scratch and run the release smoke subset
 # (tests/test_release_smoke.py) on 2 nodes x 2 gloo ranks.
 # Usage: bash scripts/check_deepspeed_release.sh VERSION [pytest args...]    e.g. 0.17.6
-# Env: FCDP_KEEP_VENV=1 reuses an existing .venv-ds-VERSION instead of rebuilding it.
+# Env: FCDP_KEEP_VENV=1 reuses a .venv-ds-VERSION that an earlier run finished (its .fcdp-ready marker)
+#      instead of rebuilding it; FCDP_PREPARE_ONLY=1 stops once the venv and the shm op are ready (.ci/run
+#      prepares the release venvs this way in the background while the main suite runs).
 #
 # [Note: torch from the suite's venv] Where the main suite's .venv exists with the pinned torch (CI runs
 # scripts/test.sh first), the release venv sees it through a .pth path line instead of installing torch
@@ -16,7 +18,8 @@ version="${1:?usage: check_deepspeed_release.sh VERSION [pytest args...]}"
 shift
 venv=".venv-ds-$version"
 start=$SECONDS
-if [[ "${FCDP_KEEP_VENV:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
+ready="$venv/.fcdp-ready"
+if [[ "${FCDP_KEEP_VENV:-0}" != 1 || ! -e "$ready" ]]; then
     rm -rf "$venv"
     py="$venv/bin/python"
     pip_q() { nice -n 5 "$py" -m pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
@@ -37,10 +40,14 @@ if [[ "${FCDP_KEEP_VENV:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
     constraints="$venv/constraints.txt"
     printf 'deepspeed==%s\ntorch==2.13.0\n' "$version" > "$constraints"
     pip_q -c "$constraints" "deepspeed==$version" "pytest>=8" pytest-timeout
-    # This package without its deepspeed pin (editable: the startup hook's .pth goes into site-packages).
-    pip_q --no-deps -e .
 fi
 py="$venv/bin/python"
+if [[ "${FCDP_PREPARE_ONLY:-0}" != 1 ]]; then
+    # This package without its deepspeed pin (editable: the startup hook's .pth goes into site-packages).
+    # [Note: not while preparing] Not in a background preparation: the editable build writes its metadata into
+    # the source tree, where the main suite may be building the sdist at the same time.
+    "$py" -m pip install -q --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+fi
 "$py" -c "import deepspeed, torch; assert deepspeed.__version__.split('+')[0] == '$version', deepspeed.__version__; \
 print('deepspeed', deepspeed.__version__, '| torch', torch.__version__)"
 echo "venv ready in $((SECONDS - start)) s"
@@ -57,6 +64,10 @@ if ! timeout 1800 nice -n 5 "$py" -c "from deepspeed.comm.torch import build_shm
     find "$TORCH_EXTENSIONS_DIR" -name lock -delete 2>/dev/null || true
 fi
 echo "shm op ready at $((SECONDS - start)) s"
+touch "$ready"
+if [[ "${FCDP_PREPARE_ONLY:-0}" == 1 ]]; then
+    exit 0
+fi
 smoke=$SECONDS
 FCDP_TESTS=full PYTHONPATH="$PWD" "$py" -m pytest -ra -q -p no:cacheprovider tests/test_release_smoke.py "$@"
 echo "deepspeed $version: smoke $((SECONDS - smoke)) s, total $((SECONDS - start)) s"

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fcdp_deepspeed.compress import BlockCodec, IdentityCodec, codec_for, wire_bytes
+from fcdp_deepspeed.compress.quant import hadamard_
 from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
 
 
@@ -31,8 +32,9 @@ def test_decoding_is_deterministic_and_the_sender_decodes_its_bytes():
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_non_finite_block_decodes_to_nan_and_zero_block_to_zero(name):
-    codec = codec_for(name, 128)
+@pytest.mark.parametrize("side", ["params", "grads"])
+def test_non_finite_block_decodes_to_nan_and_zero_block_to_zero(name, side):
+    codec = codec_for(name, 128, side=side)
     x = torch.randn(384)
     x[130] = float("inf")
     out = codec.decode(codec.encode(x), 384)
@@ -59,10 +61,11 @@ def test_config_keys_default_off_and_odd_block_refused():
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("numel", [1, 100, 128, 1000])
-def test_rows_are_the_single_message_format_and_decode_bitwise_alike(name, numel):
+@pytest.mark.parametrize("side", ["params", "grads"])
+def test_rows_are_the_single_message_format_and_decode_bitwise_alike(name, numel, side):
     """``encode_rows``/``decode_rows`` (one all-to-all message per row) give each row exactly ``encode``'s bytes and
     ``decode``'s values, non-finite blocks included: the sender's residual and every receiver see the same bits."""
-    codec = codec_for(name, 64)
+    codec = codec_for(name, 64, side=side)
     x = torch.randn(3, numel, generator=torch.Generator().manual_seed(numel)) * torch.tensor([[1e-3], [1.0], [1e3]])
     x[1, -1] = float("nan")
     packed = codec.encode_rows(x)
@@ -73,3 +76,38 @@ def test_rows_are_the_single_message_format_and_decode_bitwise_alike(name, numel
         assert torch.equal(decoded[r].nan_to_num(7.0), codec.decode(packed[r], numel).nan_to_num(7.0))
     ident = IdentityCodec("identity", 64)
     assert torch.equal(ident.decode_rows(ident.encode_rows(x), numel).nan_to_num(7.0), x.nan_to_num(7.0))
+
+
+def test_rotation_is_its_own_inverse_and_spreads_an_outlier():
+    """int4 gradients are rotated blockwise (``quant.py``, [Note: the rotation]): the orthonormal Walsh-Hadamard
+    transform undoes itself, and on heavy-tailed blocks (a few large elements, as gradients have) the rotated codec
+    loses far less than the plain one; on the wire it is the same size."""
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(hadamard_(hadamard_(x)), x, atol=1e-6)
+    assert torch.allclose(hadamard_(x).norm(dim=1), x.norm(dim=1), rtol=1e-5)
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(512 * 128, generator=gen) * torch.where(torch.rand(512 * 128, generator=gen) < 0.02, 20.0, 1.0)
+    plain, rotated = codec_for("int4", 128, side="params"), codec_for("int4", 128, side="grads")
+    assert (plain.rotate, rotated.rotate) == (False, True) and not codec_for("int8", 128, side="grads").rotate
+    assert plain.wire_numel(g.numel()) == rotated.wire_numel(g.numel())
+    err = {c.rotate: ((c.roundtrip(g)[1] - g).norm() / g.norm()).item() for c in (plain, rotated)}
+    assert err[True] < 0.5 * err[False], err
+
+
+def test_a_rotated_codec_without_its_inverse_fails():
+    """The broken variant: decoding a rotated block without rotating it back is far off (the guard above would not
+    notice a missing inverse if it only compared wire sizes)."""
+    codec = codec_for("int4", 64, side="grads")
+    x = torch.randn(640)
+    packed = codec.encode(x)
+    unrotated = BlockCodec("int4", 64, bits=4).decode(packed, 640)
+    assert ((unrotated - x).norm() / x.norm()).item() > 0.5
+    assert ((codec.decode(packed, 640) - x).norm() / x.norm()).item() < 0.2
+
+
+def test_int4_gradients_refuse_a_block_that_is_not_a_power_of_two():
+    with pytest.raises(FCDPConfigError, match=r"compression_block = 96 .*Fix: set compression_block to 64 or 128"):
+        parse_fcdp_config({"fcdp": {"enabled": True, "grad_compression": "int4", "compression_block": 96}})
+    assert parse_fcdp_config({"fcdp": {"enabled": True, "param_compression": "int4", "compression_block": 96}})
+    with pytest.raises(ValueError, match="power-of-two block"):
+        BlockCodec("int4", 96, bits=4, rotate=True)
