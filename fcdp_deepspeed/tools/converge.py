@@ -85,6 +85,26 @@ def setting_key(setting: str, dtype: str) -> str:
     return f"{setting}-{dtype}"
 
 
+def codecs(setting: str, block: int) -> dict:
+    """What each side's codec is (``"int4/b128/hadamard"``, ``"off"``): a record is kept on resume only if it was
+    trained with the codecs this code builds (records from before the field: unrotated, as that code was)."""
+    from fcdp_deepspeed.compress.quant import codec_for
+
+    def describe(name: str, side: str) -> str:
+        codec = codec_for(name, block, side=side)
+        return "off" if codec is None else f"{codec.name}/b{codec.block}" + ("/hadamard" if codec.rotate else "")
+    pc, gc = SETTINGS[setting]
+    return {"params": describe(pc, "params"), "grads": describe(gc, "grads")}
+
+
+def _recorded_codecs(record: dict) -> dict:
+    if "codecs" in record:
+        return record["codecs"]
+    block = record.get("compression_block", 128)
+    return {side: "off" if name == "off" else f"{name}/b{block}"
+            for side, name in (("params", record.get("param_compression")), ("grads", record.get("grad_compression")))}
+
+
 def ds_config(spec: ConvergeSpec, setting: str, dtype: str) -> dict:
     """The DeepSpeed config of one setting: ZeRO-3 (toy's release regime), Adam with linear warmup and decay,
     and the fcdp block: the defaults plus this setting's compression."""
@@ -251,6 +271,7 @@ def combine(s: ConvergeSpec, setting: str, dtype: str, everyone: list[dict], sta
     return {
         "key": setting_key(setting, dtype), "setting": setting, "dtype": dtype, "param_compression": pc,
         "grad_compression": gc, "compression_block": s.compression_block, "fingerprint": s.fingerprint(),
+        "codecs": codecs(setting, s.compression_block),
         "spec": asdict(s) | {"settings": None, "dtypes": None}, "corpus_sha256": corpus_sha256, "params": params,
         "nodes": s.nodes, "world": world, "rate_mbit": s.rate_mbit, "steps": s.steps,
         "bytes_source": "kernel" if kernel else "counted",
@@ -297,7 +318,8 @@ def run_converge(spec: ConvergeSpec, out_dir: Path, *, fresh: bool = False, netn
     records = {} if fresh else converge_report.load(path)
     fp = spec.fingerprint()
     wanted = [(st, d) for d in spec.dtypes for st in sorted(spec.settings, key=lambda x: x != "exact")]
-    pending = [(st, d) for st, d in wanted if records.get(setting_key(st, d), {}).get("fingerprint") != fp]
+    pending = [(st, d) for st, d in wanted if records.get(setting_key(st, d), {}).get("fingerprint") != fp
+               or _recorded_codecs(records[setting_key(st, d)]) != codecs(st, spec.compression_block)]
     kept = len(wanted) - len(pending)
     log(f"fcdp converge: {len(wanted)} settings, {kept} already done (same spec), {len(pending)} to run; "
         f"estimated {_estimate(spec, pending, []) / 60:.0f} min")
