@@ -55,6 +55,15 @@ FULL_TIER = {
     "tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5[offload_both_node_ga2]":
         "[offload_node_ga2] and test_offload",
     "tests/test_forkserver.py::test_ranks_see_their_environment_at_import_and_at_run[spawned]": "[forked]",
+    "tests/test_autoload_install.py::test_unmodified_script_under_launcher[editable-":
+        "[wheel-torchrun] and [wheel-deepspeed] (the same script and launchers) and "
+        "test_startup_hook_is_installed_and_cheap[editable] (the editable install's startup hook)",
+    "tests/test_grads.py::test_bf16_bound_fails_for_a_broken_plan":
+        "test_broken_plans_fail_the_bound[wrong_peers-hier] (the same broken plan against the fp32 bound)",
+    "tests/test_placement.py::test_allocation_failure_everywhere_runs_plain_zero3":
+        "test_allocation_failure_on_one_rank_degrades_those_parameters_everywhere",
+    "tests/test_parity.py::test_plain_zero3_crashes_on_a_zero_size_parameter":
+        "test_zero_size_parameters_work_with_fcdp (what FCDP does with them; this one only documents DeepSpeed)",
     # scripts/check_deepspeed_release.sh sets FCDP_TESTS=full: the compatibility stage runs it on 0.16-0.18
     "tests/test_release_smoke.py": "the whole suite on 0.19.8",
 }

@@ -104,3 +104,20 @@ def test_committed_rows_keep_their_ratios():
     node = next(r for r in rows if r["engine"] == "fcdp_node")
     assert node["speedup_vs_zero3"] == pytest.approx(2.0) and node["wire_s"] is None
     assert "| 100 Mbit/s | 2x2 | full |" in bench.markdown_table(rows)
+
+
+def test_committed_compression_run_meets_every_target():
+    """docs/bench_compression_*.json (``fcdp bench --preset compression``, the lead's quiet-machine run): every
+    target of :data:`TARGETS` is decided by the part that decides it, met, and recomputes from the committed rows."""
+    import json
+    from pathlib import Path
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    found = json.loads((docs / "bench_compression_targets.json").read_text())
+    assert found and all(t["met"] is True for t in found), [t for t in found if not t["met"]]
+    assert {(t.job, t.engine, t.metric) for t in TARGETS} == {(t["job"], t["engine"], t["metric"]) for t in found}
+    layouts = {t["layout"] for t in found if t["metric"] == "bytes_vs_bound" and t["job"] == "full"}
+    assert layouts == {"2x2", "2x4", "4x2"}
+    for name, part in PRESETS["compression"].items():
+        rows = json.loads((docs / f"bench_compression_{name}_results.json").read_text())["rows"]
+        mine = [t for t in found if t["part"] == name]
+        assert [{k: v for k, v in t.items() if k != "part"} for t in mine] == targets(rows, part.decides)
