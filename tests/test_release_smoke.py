@@ -113,7 +113,7 @@ def test_ci_checks_every_listed_release():
     import re
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    stage = re.search(r"for version in ([0-9. ]+); do", (root / ".ci" / "run").read_text()).group(1).split()
+    stage = re.search(r"^versions=\(([0-9. ]+)\)$", (root / ".ci" / "run").read_text(), re.M).group(1).split()
     main = re.search(r"^deepspeed==([0-9.]+)$", (root / "constraints.txt").read_text(), re.M).group(1)  # the main suite's
     assert sorted(stage + [main]) == sorted(TESTED_DEEPSPEED_VERSIONS), (stage, main)
 
