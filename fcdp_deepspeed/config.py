@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
 from fcdp_deepspeed import ds_compat
+from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
 from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
@@ -204,7 +205,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
-    compression_block: int = Field(128, ge=8, le=2**16, multiple_of=2)
+    compression_block: int = Field(DEFAULT_BLOCK, ge=8, le=2**16, multiple_of=2)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing; a power of two with
     ``grad_compression: int4``, whose blocks are rotated)."""
 
@@ -278,8 +279,8 @@ def _rotated_int4_needs_a_power_of_two_block(data: Any) -> None:
     rotation]), which exists for power-of-two sizes only."""
     if not isinstance(data, Mapping) or data.get("grad_compression") != "int4":
         return
-    block = data.get("compression_block", 128)
-    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and block & (block - 1):
+    block = data.get("compression_block", DEFAULT_BLOCK)
+    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and not is_power_of_two(block):
         low = 1 << (block.bit_length() - 1)
         raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.grad_compression = \"int4\": int4 gradients "
                               f"are rotated blockwise by a Walsh-Hadamard transform, which needs a power-of-two block. "

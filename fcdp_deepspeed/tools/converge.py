@@ -98,9 +98,10 @@ def codecs(setting: str, block: int) -> dict:
 
 
 def _recorded_codecs(record: dict) -> dict:
+    from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK
     if "codecs" in record:
         return record["codecs"]
-    block = record.get("compression_block", 128)
+    block = record.get("compression_block", DEFAULT_BLOCK)
     return {side: "off" if name == "off" else f"{name}/b{block}"
             for side, name in (("params", record.get("param_compression")), ("grads", record.get("grad_compression")))}
 
