@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (what CI runs).
+# Set up and run the whole test suite (what CI runs). `--fast` first: the fast tier for local iteration
+# (FCDP_TESTS=fast: skips the repeats listed in tests/conftest.py, [Note: the fast tier]); other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--fast" ]]; then
+    export FCDP_TESTS=fast
+    shift
+fi
 source scripts/setup_env.sh test,hf,bench
 export DS_ACCELERATOR=cpu
 # DeepSpeed JIT-builds a small CPU comm op (shm_comm) at init_distributed, under a file lock. Build it

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import in_ci_tier, run_ranks
+from conftest import run_ranks, runs_in_this_tier
 
 FACTOR = 2.0
 UNIT_ROUNDOFF = 2.0**-24
@@ -166,8 +166,8 @@ IDENTICAL = [
 
 @pytest.fixture(scope="module")
 def parity_2x2():
-    # [Note: the full tier] in conftest.py: scenarios whose parity test is in it are not run in CI
-    ci = [s for s in PARITY if in_ci_tier(f"tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5"
+    # [Note: the fast tier] in conftest.py: scenarios whose parity test it skips are not run there
+    ci = [s for s in PARITY if runs_in_this_tier(f"tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5"
                                           f"[{s['name']}]")]
     return run_ranks("grads:parity", 4, timeout=1500,
                      scenarios=[{"steps": PARITY_STEPS, **s} for s in ci + BF16 + IDENTICAL])
@@ -223,7 +223,7 @@ def test_inter_node_gradient_bytes_per_step_do_not_grow_with_accumulation(parity
         assert len(set(once)) == 1 and once[0] > 0
         assert once[0] <= 0.34 * zero3[0]  # (N-1)*P of W*P per rank vs ZeRO-3's (W-1)/W of the bucket
         for name, k in (("node_ga4", 4), ("node_ga8", 8)):
-            if name not in per_rank:  # node_ga8 is in the full tier (conftest.py)
+            if name not in per_rank:  # node_ga8 is skipped in the fast tier (conftest.py)
                 continue
             fcdp = step_delta(per_rank[name]["fcdp"], "inter_node_grad_reduce_bytes")
             plain = step_delta(per_rank[name]["plain"], "inter_node_grad_reduce_bytes")
