@@ -130,8 +130,9 @@ class CompressionSteps:
     #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
     #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
     _fcdp_stepping = False
-    #: Between ``checkpoint_event_prologue`` and ``_epilogue`` (load_checkpoint, save_checkpoint, 16-bit consolidation).
-    _fcdp_in_checkpoint_event = False
+    #: From ``checkpoint_event_prologue`` to the first ``_restore_from_bit16_weights`` or the epilogue: a restore now is
+    #: a load without the optimizer state (``load_module_only`` restores twice: refresh_fp32_params, then the engine).
+    _fcdp_reset_on_restore = False
 
     def _attach_compression(self, fcdp_config, trainable: list) -> None:
         """The envelope's parts: the runtime's parameter references, the gradient compressor's residuals."""
@@ -166,12 +167,12 @@ class CompressionSteps:
 
     def checkpoint_event_prologue(self) -> None:
         super().checkpoint_event_prologue()
-        self._fcdp_in_checkpoint_event = True  # only a load rewrites the weights in one (_restore_from_bit16_weights)
+        self._fcdp_reset_on_restore = True  # only a load rewrites the weights in one (_restore_from_bit16_weights)
         if self.fcdp is not None:
             self.fcdp.checkpoint_event(inside=True)
 
     def checkpoint_event_epilogue(self) -> None:
-        self._fcdp_in_checkpoint_event = False
+        self._fcdp_reset_on_restore = False
         super().checkpoint_event_epilogue()
 
     def state_dict(self):
@@ -192,9 +193,10 @@ class CompressionSteps:
 
     def _restore_from_bit16_weights(self) -> None:
         super()._restore_from_bit16_weights()
-        if self._fcdp_in_checkpoint_event and self.fcdp_state is not None:
+        if self._fcdp_reset_on_restore and self.fcdp_state is not None:
             # a load without the optimizer state: [Note: weights rewritten without the optimizer state]
             self.fcdp_state.reset("weights restored")
+            self._fcdp_reset_on_restore = False
         elif self.fcdp is not None:  # refresh_fp32_params (weights edited): the next gathers cross exactly
             self.fcdp.weights_rewritten("weights restored")
 

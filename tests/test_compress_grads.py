@@ -176,6 +176,22 @@ def test_checkpoint_resume_is_bit_identical_and_other_settings_start_from_zero(r
     assert weights and all(torch.equal(w, runs[0]["checkpoint"]["continued"]["weights"][k]) for k, w in weights.items())
 
 
+@pytest.mark.parametrize("load", ["no_optimizer", "module_only", "universal"])
+def test_a_load_without_the_optimizer_state_resets_the_compression_state(runs, load):
+    """load_checkpoint(load_optimizer_states=False) and load_module_only=True never call the optimizer's
+    load_state_dict (DeepSpeed restores the master weights from the 16-bit ones), and a universal checkpoint holds
+    no envelope: each starts the residuals from zero, every reference empty and the refresh counter at 0, as
+    docs/COMPRESSION.md says (before: residuals and counter kept across the first two)."""
+    for per_rank in runs:
+        r = per_rank["reloads"][load]
+        before, after = r["before"], r["after"]
+        assert before["residual_norm"] > 0 and before["steps"] >= 2 and before["valid_refs"] == before["refs"] > 0
+        assert after["residual_norm"] == 0 and after["steps"] == 0 and after["valid_refs"] == 0
+        assert after["zeroed_loads"] == before["zeroed_loads"] + 1
+        if load != "universal":
+            assert r["exact_gathers"].get("weights restored", 0) >= after["refs"]  # the next gathers crossed exactly
+
+
 def test_a_residual_budget_covers_a_prefix_and_the_rest_crosses_exact(runs):
     for rank, per_rank in enumerate(runs):
         s = per_rank["lora_budget"]["stats"][-1]

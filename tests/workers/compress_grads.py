@@ -241,6 +241,44 @@ def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
     return out
 
 
+def _compression_state(engine) -> dict:
+    """What a load without the optimizer state must reset: committed residuals, references, the refresh counter."""
+    from fcdp_deepspeed.compress.reference import RefState
+    store = engine.optimizer.fcdp.compression.store
+    return {"residual_norm": residual(engine).norm().item(), "steps": store.steps,
+            "valid_refs": sum(r.state is RefState.VALID for r in store.refs.values()),
+            "refs": len(store.refs), "zeroed_loads": fcdp_deepspeed.get_stats(engine)["grad_residual_zeroed_loads"]}
+
+
+def reloads(ckpt_dir: str, sc: dict) -> dict:
+    """Both compressions on (``param_compression`` int8 and the scenario's ``grad_compression``): save after 2
+    steps, train on, then load into the running engine without the optimizer states, module only, and from a
+    universal checkpoint (converted with DeepSpeed's tool) into an engine trained since; each load's state after
+    it, and ``param_exact_gathers`` after one more step."""
+    from pathlib import Path
+    from fcdp_deepspeed.tools import resize
+    both = {**sc, "fcdp": {**sc["fcdp"], "param_compression": "int8", "param_refresh_interval": 7}}
+    engine = grad_workers.build(both, config(both))
+    train(engine, both, steps=2)
+    engine.save_checkpoint(ckpt_dir, tag="both")
+    out = {}
+    for name, kwargs in (("no_optimizer", {"load_optimizer_states": False}), ("module_only", {"load_module_only": True})):
+        train(engine, both, steps=1)
+        before = _compression_state(engine)
+        engine.load_checkpoint(ckpt_dir, tag="both", **kwargs)
+        out[name] = {"before": before, "after": _compression_state(engine)}
+        train(engine, both, steps=1)
+        out[name]["exact_gathers"] = fcdp_deepspeed.get_stats(engine)["param_exact_gathers"]
+    tag = [resize.convert(Path(ckpt_dir), "both") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tag, src=0)
+    universal = toy.build_engine({**config(both), "checkpoint": {"load_universal": True}})
+    train(universal, both, steps=2)
+    before = _compression_state(universal)
+    universal.load_checkpoint(ckpt_dir, tag=tag[0])
+    out["universal"] = {"before": before, "after": _compression_state(universal)}
+    return out
+
+
 def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: dict, exact_for_checkpoint: str,
                      refusals: list[dict]) -> dict:
     """Every scenario (one engine each), then the checkpoint flow and the refusals, in one launch."""
@@ -255,5 +293,6 @@ def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: 
         res["warnings"] = [m for m in log.messages[first:] if m.startswith("fcdp:") and "residuals need" in m]
         out[sc["name"]] = res
     out["checkpoint"] = checkpoint(ckpt_dir, checkpoint_scenario, engines[exact_for_checkpoint])
+    out["reloads"] = reloads(ckpt_dir, checkpoint_scenario)
     out["refusals"] = grad_workers.refusals(refusals)
     return out
