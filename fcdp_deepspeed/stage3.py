@@ -43,7 +43,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, faults, grads, strict_device
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
@@ -173,6 +173,8 @@ class CompressionSteps:
 
     def checkpoint_event_epilogue(self) -> None:
         self._fcdp_reset_on_restore = False
+        if self.fcdp_grads is not None and faults.invalidation_broken("checkpoint_window"):  # test-only: the old
+            self.fcdp_grads.new_window(discard=True)  # epilogue, which dropped the window's partial sums (issue 33)
         super().checkpoint_event_epilogue()
 
     def state_dict(self):
