@@ -2,8 +2,9 @@
 2 x 2 ranks (``fcdp_deepspeed/tools/fuzz``) through training with random accumulation lengths, eval,
 activation checkpointing, ``GatheredParameters`` writes, HF-style state-dict loads and embedding resizes,
 requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines (and saves, 16-bit
-consolidations and loads inside an accumulation window) and placement switches. After every event FCDP (ZeRO-3's gradient path) must be bit-identical to plain ZeRO-3, the
-default gradient modes within their tolerance, and every cached slice current.
+consolidations and loads inside an accumulation window) and placement switches. After every event FCDP
+(ZeRO-3's gradient path) must be bit-identical to plain ZeRO-3, the default gradient modes within their
+tolerance, and every cached slice current.
 
 One rank server (one 4-rank launch) runs everything here: the CI sequences, then each deliberately broken
 invalidation (``FCDP_BREAK_INVALIDATION``), which the same state machine must find and shrink.

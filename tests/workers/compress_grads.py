@@ -262,7 +262,8 @@ def reloads(ckpt_dir: str, sc: dict) -> dict:
     train(engine, both, steps=2)
     engine.save_checkpoint(ckpt_dir, tag="both")
     out = {}
-    for name, kwargs in (("no_optimizer", {"load_optimizer_states": False}), ("module_only", {"load_module_only": True})):
+    loads = (("no_optimizer", {"load_optimizer_states": False}), ("module_only", {"load_module_only": True}))
+    for name, kwargs in loads:
         train(engine, both, steps=1)
         before = _compression_state(engine)
         engine.load_checkpoint(ckpt_dir, tag="both", **kwargs)
