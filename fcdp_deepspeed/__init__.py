@@ -19,7 +19,7 @@ _LAZY = {
     "enable_comm_counting": "fcdp_deepspeed.api", "FCDPConfig": "fcdp_deepspeed.config",
     "FCDPConfigError": "fcdp_deepspeed.config", "parse_fcdp_config": "fcdp_deepspeed.config",
     "StaleCacheError": "fcdp_deepspeed.runtime", "TopologyError": "fcdp_deepspeed.topology",
-    "__version__": "fcdp_deepspeed.version",
+    "__version__": "fcdp_deepspeed.version", "exact_gathers": "fcdp_deepspeed.evaluation",
 }
 
 __all__ = ["install", "uninstall", "initialize", *_LAZY]

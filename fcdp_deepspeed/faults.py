@@ -12,7 +12,8 @@ tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): 
 (``_unflatten_partitioned_parameters``), ``step_end`` (everything the step may have changed),
 ``requires_grad`` (the step end's rule for parameters that require grad now, e.g. unfrozen ones),
 ``checkpoint`` (the flush on checkpoint events), ``refresh`` (``partition(has_been_updated=True)``
-leaves a filled slot as it was).
+leaves a filled slot as it was); ``checkpoint_window`` is not an invalidation but the pre-fix checkpoint epilogue
+(issue 33): it drops the accumulation window's partial sums, which the state machine must find too.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import os
 
 FAULT_ENV = "FCDP_INJECT_FAULT"
 BREAK_ENV = "FCDP_BREAK_INVALIDATION"
-INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh")
+INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh",
+                      "checkpoint_window")
 
 
 class InjectedFault(RuntimeError):

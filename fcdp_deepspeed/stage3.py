@@ -22,8 +22,10 @@ An overflow-skipped step returns before any of these: nothing changed, nothing i
 ``fcdp.param_compression``'s references (``compress/reference.py``) are optimizer state: ``state_dict``
 adds them to each rank's optimizer state (the ``fcdp_compression`` envelope, ``compress/state.py``) and
 ``load_state_dict`` restores them (a checkpoint without them, or of another codec or layout, starts
-them empty); ``_restore_from_bit16_weights`` (a load of the module weights alone, ``refresh_fp32_params``)
-drops them. Optimizer steps keep them; saves and 16-bit consolidation (inside checkpoint events) keep them.
+them empty); ``_restore_from_bit16_weights`` drops them (``refresh_fp32_params``) or, inside a load (without
+the optimizer states, module only), starts every part from nothing (``compress/state.py``). Optimizer steps
+keep them; saves and 16-bit consolidation (inside checkpoint events) keep them, and a checkpoint event inside
+an accumulation window keeps the window (node buffer, pending residuals), as DeepSpeed keeps its partial sums.
 
 Gradients (``grad_reduce``/``grad_accumulation``, see ``grads/``): DeepSpeed's bucket reduction
 ``__avg_scatter_grads`` runs inside a ``grads.bucket`` block, so its ``reduce_scatter_coalesced`` call
@@ -41,7 +43,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, faults, grads, strict_device
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
@@ -128,6 +130,9 @@ class CompressionSteps:
     #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
     #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
     _fcdp_stepping = False
+    #: From ``checkpoint_event_prologue`` to the first ``_restore_from_bit16_weights`` or the epilogue: a restore now is
+    #: a load without the optimizer state (``load_module_only`` restores twice: refresh_fp32_params, then the engine).
+    _fcdp_reset_on_restore = False
 
     def _attach_compression(self, fcdp_config, trainable: list) -> None:
         """The envelope's parts: the runtime's parameter references, the gradient compressor's residuals."""
@@ -162,13 +167,14 @@ class CompressionSteps:
 
     def checkpoint_event_prologue(self) -> None:
         super().checkpoint_event_prologue()
+        self._fcdp_reset_on_restore = True  # only a load rewrites the weights in one (_restore_from_bit16_weights)
         if self.fcdp is not None:
             self.fcdp.checkpoint_event(inside=True)
 
     def checkpoint_event_epilogue(self) -> None:
-        compressor = self._fcdp_compressor()
-        if compressor is not None:
-            compressor.discard(skipped=False)
+        self._fcdp_reset_on_restore = False
+        if self.fcdp_grads is not None and faults.invalidation_broken("checkpoint_window"):  # test-only: the old
+            self.fcdp_grads.new_window(discard=True)  # epilogue, which dropped the window's partial sums (issue 33)
         super().checkpoint_event_epilogue()
 
     def state_dict(self):
@@ -189,7 +195,11 @@ class CompressionSteps:
 
     def _restore_from_bit16_weights(self) -> None:
         super()._restore_from_bit16_weights()
-        if self.fcdp is not None:
+        if self._fcdp_reset_on_restore and self.fcdp_state is not None:
+            # a load without the optimizer state: [Note: weights rewritten without the optimizer state]
+            self.fcdp_state.reset("weights restored")
+            self._fcdp_reset_on_restore = False
+        elif self.fcdp is not None:  # refresh_fp32_params (weights edited): the next gathers cross exactly
             self.fcdp.weights_rewritten("weights restored")
 
 
@@ -333,8 +343,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
     def checkpoint_event_epilogue(self) -> None:
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")
-        if self.fcdp_grads is not None:
-            self.fcdp_grads.new_window(discard=True)
+        # the window's partial sums stay, as DeepSpeed's: [Note: a checkpoint inside a window] (grads/buffer.py)
         super().checkpoint_event_epilogue()
         if self.fcdp is not None:
             # [Note: `latest` names a complete checkpoint] save_checkpoint calls this after the rank wrote its

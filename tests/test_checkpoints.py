@@ -64,3 +64,35 @@ def test_latest_is_written_after_every_rank_s_files(tmp_path):
     scripts/reliability.sh). FCDP waits for every rank in the checkpoint epilogue before ``latest``."""
     res = run_ranks("checkpoints:latest_after_every_file", 2, timeout=180, ckpt_dir=str(tmp_path))
     assert res[0] == {"plain": False, "fcdp": True}
+
+
+#: tests/test_grads.py's tolerance of the node-accumulation default against ZeRO-3 (fp32).
+NODE_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["ga2_at1", "ga4_at2"])
+def mid_window(request, tmp_path_factory):
+    grad_accum, at = request.param
+    return run_ranks("checkpoints:mid_window", 4, timeout=300, ckpt_dir=str(tmp_path_factory.mktemp("mid")),
+                     grad_accum=grad_accum, at=at)
+
+
+def test_a_checkpoint_event_inside_a_window_keeps_its_partial_sums(mid_window):
+    """save_checkpoint, the 16-bit consolidation and an in-process load_checkpoint after micro-step k of a window,
+    then the rest of the window: every FCDP engine ends each step with ZeRO-3's weights (FCDP on ZeRO-3's gradient
+    path bit for bit, node accumulation within its tolerance, with and without unbuffered parameters), as DeepSpeed
+    keeps its partial sums through all three. Before the fix the epilogue dropped the node buffer's window."""
+    ref = mid_window[0]["zero3"]
+    for name in ("exact", "node", "node_budget"):
+        got = mid_window[0][name]
+        for step, (want, have) in enumerate(zip(ref["weights"], got["weights"])):
+            for key, w in want.items():
+                if name == "exact":
+                    assert torch.equal(have[key], w), (name, step, key)
+                else:
+                    rel = ((have[key] - w).norm() / w.norm()).item()
+                    assert rel <= NODE_RTOL, (name, step, key, rel)
+        if name != "exact":
+            assert got["grad_accumulated"] > 0  # the node buffer held micro-steps across the events
+    for per_rank in mid_window:
+        assert per_rank["exact"]["losses"] == per_rank["zero3"]["losses"]

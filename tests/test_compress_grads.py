@@ -28,6 +28,8 @@ GATED = dict(grad_accum=2, gate={1}, steps=3, record_grads=True)  # last block i
 BROKEN = {"wrong_scale": dict(codec="wrong_scale"), "divide_by_nodes": dict(codec="identity", **{"break": "divide_by_nodes"}),
           "rows_reversed": dict(codec="rows_reversed"), "blocks_rolled": dict(codec="blocks_rolled")}
 EF_STEPS = 12
+#: Steps of the invariant scenarios, and the checkpoint event after the first micro-step of some windows.
+INV_STEPS, MID_WINDOW = 3, {1: "save", 2: "save16"}
 #: Residuals of 3 of the 8 LoRA adapters fit: 2 slots x N=2 rows x P=16 fp32 elements each, per rank (2 per node).
 LORA_BUDGET = 2 * 3 * (2 * 2 * 16 * 4)
 SCENARIOS = [
@@ -47,6 +49,14 @@ SCENARIOS = [
     dict(name="overflow", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2}, record_residual=True),
     dict(name="overflow_commit_on_skip", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2},
          record_residual=True, **{"break": "commit_on_skip"}),
+    # the error-feedback invariant across checkpoint events inside windows (GA 2, at fixed weights): a save and a
+    # 16-bit consolidation after the first micro-step, under node accumulation (with the flush) and per-rank
+    *[dict(name=f"inv_{acc}", fcdp=mode, lr=0.0, grad_accum=2, steps=INV_STEPS, record_grads=True, **gate)
+      for acc, mode, gate in (("node", NODE, {"gate": {1}}), ("hier", HIER, {}))],
+    *[dict(name=f"inv_{acc}_int4", fcdp={**mode, **INT4}, lr=0.0, grad_accum=2, steps=INV_STEPS, record_grads=True,
+           mid_window=MID_WINDOW, record_invariant=True, **gate, **brk)
+      for acc, mode, gate, brk in (("node", NODE, {"gate": {1}}, {}), ("hier", HIER, {}, {}),
+                                   ("hier_discard", HIER, {}, {"break": "discard_at_checkpoint"}))],
     dict(name="lora_budget", fcdp={**HIER, **INT8, "grad_buffer_budget": LORA_BUDGET}, lora_rank=2, steps=2),
     # the residuals cannot be allocated on rank 1: every rank crosses exact
     dict(name="alloc_fault", fcdp={**HIER, **INT8}, steps=1, fault="alloc_residual_host@1"),
@@ -127,6 +137,25 @@ def test_error_feedback_tracks_the_exact_sum_over_steps(runs):
         assert err_ef[-1] < 0.6 * err_raw[-1], (err_ef, err_raw)
 
 
+@pytest.mark.parametrize("acc", ["node", "hier"])
+def test_error_feedback_invariant_holds_across_checkpoint_events_inside_windows(runs, acc):
+    """[Note: the error-feedback invariant] in tests/workers/compress_grads.py: at fixed weights, the sum of every
+    step's compressed gradient partitions equals the exact sum minus the senders' last residuals, bit for bit up
+    to fp32 rounding, with a save and a 16-bit consolidation after the first micro-step of two of the three GA-2
+    windows (node accumulation with its flush; per-rank accumulation). The old epilogue, which dropped the
+    window's pending residual (its next exchange re-added the committed one), is off by about one residual."""
+    for per_rank in runs:
+        exact, comp, broken = (per_rank[n] for n in (f"inv_{acc}", f"inv_{acc}_int4", "inv_hier_discard_int4"))
+        total = lambda gs: torch.stack(gs).sum(0)  # noqa: E731
+        assert len(comp["grads"]) == len(exact["grads"]) == INV_STEPS
+        residual = comp["peer_residuals"]
+        gap = (total(comp["grads"]) - total(exact["grads"]) + residual).norm().item()
+        assert residual.norm().item() > 0 and gap <= 1e-4 * residual.norm().item(), (gap, residual.norm().item())
+        if acc == "hier":
+            off = (total(broken["grads"]) - total(exact["grads"]) + broken["peer_residuals"]).norm().item()
+            assert off > 0.2 * broken["peer_residuals"].norm().item(), off
+
+
 def test_an_overflow_skipped_step_leaves_the_residual_untouched(runs):
     for per_rank in runs:
         run, broken = per_rank["overflow"], per_rank["overflow_commit_on_skip"]
@@ -145,6 +174,22 @@ def test_checkpoint_resume_is_bit_identical_and_other_settings_start_from_zero(r
         assert ck["zeroed_loads"] == [0, 1, 1]
     weights = runs[0]["checkpoint"]["resumed"]["weights"]
     assert weights and all(torch.equal(w, runs[0]["checkpoint"]["continued"]["weights"][k]) for k, w in weights.items())
+
+
+@pytest.mark.parametrize("load", ["no_optimizer", "module_only", "universal"])
+def test_a_load_without_the_optimizer_state_resets_the_compression_state(runs, load):
+    """load_checkpoint(load_optimizer_states=False) and load_module_only=True never call the optimizer's
+    load_state_dict (DeepSpeed restores the master weights from the 16-bit ones), and a universal checkpoint holds
+    no envelope: each starts the residuals from zero, every reference empty and the refresh counter at 0, as
+    docs/COMPRESSION.md says (before: residuals and counter kept across the first two)."""
+    for per_rank in runs:
+        r = per_rank["reloads"][load]
+        before, after = r["before"], r["after"]
+        assert before["residual_norm"] > 0 and before["steps"] >= 2 and before["valid_refs"] == before["refs"] > 0
+        assert after["residual_norm"] == 0 and after["steps"] == 0 and after["valid_refs"] == 0
+        assert after["zeroed_loads"] == before["zeroed_loads"] + 1
+        if load != "universal":
+            assert r["exact_gathers"].get("weights restored", 0) >= after["refs"]  # the next gathers crossed exactly
 
 
 def test_a_residual_budget_covers_a_prefix_and_the_rest_crosses_exact(runs):
@@ -189,7 +234,14 @@ def test_residual_store_commits_by_flipping_slots_and_rescales_for_the_loss_scal
     flat, scales = store.snapshot()
     assert flat.tolist() == [3.0] * 4 + [0.0] * 4 and scales == [1024.0, None]
     store.restore(flat, scales)
-    assert store.committed == {} and store.read(7, (2, 2), 1024.0).eq(3.0).all() and store.read(9, (2, 2), 1.0) is None
+    assert store.committed == {7: 1} and store.read(7, (2, 2), 1024.0).eq(3.0).all()
+    assert store.read(9, (2, 2), 1.0) is None
+    # a load inside a window replaces the committed residual only: the window's pending one stays its next input
+    store.write(7, torch.full((2, 2), 7.0), 1024.0)
+    store.restore(None, [])
+    assert store.read(7, (2, 2), 1024.0).eq(7.0).all()  # the window's next exchange reads its own pending residual
+    assert store.commit() == 1 and store.read(7, (2, 2), 1024.0).eq(7.0).all()
+    assert store.discard() is False and store.snapshot()[0].tolist() == [7.0] * 4 + [0.0] * 4
 
 
 def test_unsupported_dtypes_and_flat_plans_are_refused_by_name():

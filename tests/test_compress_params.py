@@ -129,6 +129,24 @@ def test_each_case_without_a_reference_crosses_exactly(suite):
         assert stats[-1]["verified_hits"] > 0 and stats[-1]["verified_gathers"] > 0  # verify ran on the exact values
 
 
+def test_exact_gathers_evaluates_with_zero3_s_values_and_leaves_training_untouched(suite):
+    """``fcdp_deepspeed.exact_gathers(engine)``: an eval inside computes bit for bit what plain ZeRO-3 computes from
+    the same checkpoint (the real bf16 partitions, gathered exactly), while an eval outside computes with
+    reconstructions; the run with the exact eval between steps equals the run without it bit for bit (losses, every
+    gathered value, final weights): master weights and references untouched. A variant whose exact gathers seed
+    the references changes the next steps' gathered values."""
+    for per_rank in suite:
+        r = per_rank["exact_eval"]
+        assert torch.equal(r["with"]["exact_eval"], r["zero3_exact_with"])
+        assert torch.equal(r["with"]["exact_eval_end"], r["zero3_exact_end"])
+        assert not torch.equal(r["with"]["default_eval_end"], r["with"]["exact_eval_end"])
+        assert r["with"]["exact_gathers"].get("exact_gathers") == SLOTTED
+        _same_run(r["with"], r["without"])
+        assert _values(r["broken"]) != _values(r["without"])
+        before = lambda run: [h for h in run["hashes"] if h[0] <= 2]  # noqa: E731  (the 2 steps before the eval)
+        assert before(r["broken"]) == before(r["without"]) and before(r["without"])
+
+
 def test_lora_adapters_compressed_frozen_base_never_crosses(suite):
     for per_rank in suite:
         stats = per_rank["lora"]["stats"]

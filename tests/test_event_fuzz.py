@@ -1,9 +1,10 @@
 """Random event sequences against ZeRO-3 (issue 25 item 3): a hypothesis state machine drives one set of
 2 x 2 ranks (``fcdp_deepspeed/tools/fuzz``) through training with random accumulation lengths, eval,
 activation checkpointing, ``GatheredParameters`` writes, HF-style state-dict loads and embedding resizes,
-requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines and placement
-switches. After every event FCDP (ZeRO-3's gradient path) must be bit-identical to plain ZeRO-3, the
-default gradient modes within their tolerance, and every cached slice current.
+requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines (and saves, 16-bit
+consolidations and loads inside an accumulation window) and placement switches. After every event FCDP
+(ZeRO-3's gradient path) must be bit-identical to plain ZeRO-3, the default gradient modes within their
+tolerance, and every cached slice current.
 
 One rank server (one 4-rank launch) runs everything here: the CI sequences, then each deliberately broken
 invalidation (``FCDP_BREAK_INVALIDATION``), which the same state machine must find and shrink.
@@ -32,7 +33,7 @@ FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 8.0
 #: grad but the optimizer does not own, whose values no step changes (docs/reliability.md).
 OBSERVABLE = {
     "refresh": ("gathered_write", "hf_load"),
-    "checkpoint": ("load",),
+    "checkpoint": ("load", "train"),  # train: a load inside its window (inside='load')
     "optimizer_write,step_end": ("train",),
 }
 
@@ -62,7 +63,21 @@ def test_a_broken_invalidation_is_found_and_shrunk(rank_server, fault):
     assert "STALE cache entry" in result.failure, result.report()
     culprit = result.program[-1].partition("(")[0]
     assert culprit in OBSERVABLE[fault], result.report()
+    if fault == "checkpoint" and culprit == "train":
+        assert "inside='load'" in result.program[-1], result.report()
     assert result.program[0].startswith("begin(") and len(result.program) <= FAULT_STEPS + 1
+
+
+def test_a_checkpoint_that_drops_the_window_is_found_and_shrunk(rank_server):
+    """``FCDP_BREAK_INVALIDATION=checkpoint_window``: the checkpoint epilogue before issue 33's fix, which dropped the
+    node buffer's partial window sums at a save, 16-bit consolidation or load inside a window. The CI search's
+    own budget (the same derandomized sequences) finds it, against FCDP with the default gradient modes."""
+    result = search(rank_server, engines=("zero3", "fcdp_defaults"), faults="checkpoint_window",
+                    max_examples=CI_SEQUENCES, steps=CI_STEPS, shrink_seconds=SHRINK_SECONDS)
+    print(result.report())
+    assert result.failure is not None, f"the dropped window went unnoticed: {result.report()}"
+    assert "fcdp_defaults" in result.failure and "differs from ZeRO-3" in result.failure, result.report()
+    assert result.program[-1].startswith("train(") and "inside=" in result.program[-1], result.report()
 
 
 def test_break_switch_names_are_checked(monkeypatch):

@@ -150,6 +150,15 @@ class GradCompressor:
             logger.info(f"fcdp: the checkpoint {why} (codec, block, layout or budget): error-feedback residuals "
                         f"start from zero")
 
+    def reset(self, why: str) -> None:
+        """Weights rewritten without an optimizer state (``why``): the committed residuals start from zero (a
+        window's pending ones stay, [Note: residual commit]); counted as a zeroed load."""
+        self.store.restore(None, [])
+        self.counters.bump(zeroed_loads=1)
+        if dist.get_rank() == 0:
+            from deepspeed.utils import logger
+            logger.info(f"fcdp: {why} without the optimizer state: error-feedback residuals start from zero")
+
     # -- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         c, store = self.counters, self.store
@@ -208,3 +217,6 @@ class GradState:
 
     def load_state(self, saved: Optional[Mapping[str, Any]]) -> None:
         self.compressor.load(dict(saved) if saved is not None else None)
+
+    def reset(self, why: str) -> None:
+        self.compressor.reset(why)

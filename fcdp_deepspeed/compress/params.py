@@ -100,6 +100,9 @@ class ParamCompression:
     drift: DriftMeter = field(default_factory=DriftMeter)
     #: ``(max, mean)`` drift over every rank in the last report interval (:meth:`collect_drift`).
     drift_all_ranks: tuple[float, float] = (0.0, 0.0)
+    #: Inside ``fcdp_deepspeed.exact_gathers``: every stage 1 exact, references neither read nor seeded
+    #: ([Note: exact gathers] in ``evaluation.py``).
+    exact_only: bool = False
 
     def split(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list]:
         """``(exact, compressed)``: compressed where the reference is valid (agreed: see [Note: references]);
@@ -107,7 +110,10 @@ class ParamCompression:
         exact, compressed = [], []
         for p in params:
             ref = self.store.get(p)
-            if ref is not None and self.store.usable(ref):
+            if ref is not None and self.exact_only:
+                exact.append(p)
+                self.counters.exact("exact_gathers")
+            elif ref is not None and self.store.usable(ref):
                 compressed.append(p)
             else:
                 exact.append(p)
@@ -125,7 +131,10 @@ class ParamCompression:
         return LEDGER.tagged(PARAM_EXACT)
 
     def seed(self, params: list, bundle: torch.Tensor, part: int) -> None:
-        """After an exact stage 1 (gather stream): the exact bundle becomes each slotted parameter's reference."""
+        """After an exact stage 1 (gather stream): the exact bundle becomes each slotted parameter's reference
+        (not inside ``exact_gathers``: training's references stay as they were)."""
+        if self.exact_only:
+            return
         rows, offset = bundle.view(self.nodes, part), 0
         for p in params:
             size, ref = p.ds_tensor.ds_numel, self.store.get(p)

@@ -204,6 +204,15 @@ class ReferenceCheckpoint:
         device.host_wait(device.record_event())  # the device slots' copies (checkpoint time, not per step)
         return {"version": self.VERSION, "key": dict(self.key), "steps": store.steps, "references": saved}
 
+    def reset(self, why: str) -> None:
+        """Weights rewritten without an optimizer state: every reference empty (the next gathers cross exactly,
+        counted under ``why``), the refresh cadence restarted."""
+        self.store.host_ready()
+        self.store.drop_all(why)
+        for ref in self.store.refs.values():
+            ref.why = why
+        self.store.steps = 0
+
     def _fits(self, ref: Reference, saved: Any) -> bool:
         return (isinstance(saved, dict) and saved.get("partition_numel") == ref.partition_numel
                 and saved.get("nodes") == ref.nodes and saved.get("dtype") == str(ref.dtype)
@@ -222,6 +231,7 @@ class ReferenceCheckpoint:
         for ref in store.refs.values():
             ref.why = "checkpoint load"  # those restored below become valid
         if not flags[0]:
+            store.steps = 0  # the refresh cadence restarts with the references (nothing restored)
             return
         store.steps = int(saved["steps"])
         for ref, ok in zip(refs, flags[1:]):

@@ -13,8 +13,11 @@ A window's residual becomes the next window's input only if DeepSpeed applies th
 has two slots: the *committed* residual and the *pending* one this window writes (the first exchange of a window
 reads the committed slot, later ones under per-rank accumulation read and rewrite the pending one). ``commit``
 (``FCDPStage3._post_step``: the step was applied) makes the pending slot the committed one by flipping an index,
-with no copy; ``discard`` (an overflow-skipped step, ``zero_grad`` outside an applied step, a checkpoint event)
-forgets the pending slot, so the committed residual is left bit for bit as it was. Both slots are needed for
+with no copy; ``discard`` (an overflow-skipped step, ``zero_grad`` outside an applied step) forgets the pending
+slot, so the committed residual is left bit for bit as it was. A checkpoint event inside a window (save, 16-bit
+consolidation, load) keeps the pending slot, as DeepSpeed keeps the window's partial sums it belongs to: the
+window's next exchange reads it, not the committed residual the window already used; a load (or a reset) replaces
+only the committed slot. Both slots are needed for
 every precision: DeepSpeed 0.19.8 skips a step whenever the global gradient norm is not finite
 (``is_invalid_grad_norm`` in ``step()``), also in fp32 and bf16, and such a window's residual is NaN.
 
@@ -124,15 +127,15 @@ class ResidualStore:
         return torch.cat(parts).clone(), [self.scales.get(i) for i in ids]
 
     def restore(self, flat: Optional[torch.Tensor], scales: Sequence[Optional[float]]) -> None:
-        """Set the committed residuals (``None``: zero); nothing is pending afterwards."""
+        """Set the committed residuals (``None``: zero); a window's pending ones stay ([Note: residual commit])."""
         device.host_wait(self.written)
         ids = sorted(self.offsets)
         with self._lock:
-            self.pending, self.committed, self.scales = {}, {}, {}
+            self.scales = {}
         offset = 0
         for ds_id, scale in zip(ids, scales):
             numel = self.offsets[ds_id][1]
-            slot = self._slot(ds_id, 0)
+            slot = self._slot(ds_id, self.committed.get(ds_id, 0))
             if flat is None or scale is None:
                 slot.zero_()
             else:

@@ -13,6 +13,15 @@ itself (layout, codec, block size) and starts from nothing when it does not fit.
 the envelope (written without compression, or by plain ZeRO-3) gives every part ``None``.
 ``load_state`` runs on every rank of the data-parallel group together (``load_checkpoint`` is
 collective), so a part may agree across ranks there.
+
+[Note: weights rewritten without the optimizer state]
+DeepSpeed calls the optimizer's ``load_state_dict`` only for loads of the optimizer states and universal
+loads; ``load_checkpoint(load_optimizer_states=False)`` and ``load_module_only=True`` rewrite the weights
+through ``_restore_from_bit16_weights`` (as ``refresh_fp32_params`` does) and never hand us a state. The
+compression state of the old weights is then meaningless: ``FCDPStage3._restore_from_bit16_weights``
+calls :meth:`CompressionState.reset`, which starts every part from nothing (empty references, the refresh
+counter at 0, zero committed residuals), as a checkpoint without the envelope does. Every rank resets
+alike (the decision is local: no collective, ``refresh_fp32_params`` may be called outside a load).
 """
 from __future__ import annotations
 
@@ -33,6 +42,10 @@ class StatePart(Protocol):
 
     def load_state(self, saved: Optional[Mapping[str, Any]]) -> None:
         """Restore from ``saved`` (``None``: the checkpoint has none; start from nothing). Collective."""
+
+    def reset(self, why: str) -> None:
+        """Start from nothing, as a load of ``None`` does, without a collective ([Note: weights rewritten
+        without the optimizer state])."""
 
 
 @dataclass(eq=False)
@@ -60,3 +73,9 @@ class CompressionState:
         for name, part in self.parts.items():
             saved = envelope.get(name)
             part.load_state(saved if isinstance(saved, Mapping) else None)
+
+    def reset(self, why: str) -> None:
+        """Every part starts from nothing (``why``: what rewrote the weights), see [Note: weights rewritten without
+        the optimizer state]."""
+        for part in self.parts.values():
+            part.reset(why)

@@ -9,9 +9,19 @@ end of that backward (``FCDPStage3.independent_gradient_partition_epilogue``). D
 receive a parameter's window sum once (copy), or in parts when reentrant checkpointing splits the
 backward (add), see :meth:`~fcdp_deepspeed.grads.delivery.DeliveryLedger.split`. Inter-node gradient bytes
 per optimizer step no longer grow with the number of micro-steps. The buffer is empty at every step
-boundary, so an overflow-skipped step, ``zero_grad`` or a checkpoint load discard nothing that was not
-already handed to DeepSpeed (``zero_grad`` also drops a partly filled window, as DeepSpeed's
-``micro_step_id = 0`` does). Readers of DeepSpeed's gradient partitions *between* micro-steps
+boundary, so an overflow-skipped step discards nothing that was not already handed to DeepSpeed
+(``zero_grad`` also drops a partly filled window, as DeepSpeed's ``micro_step_id = 0`` does).
+
+[Note: a checkpoint inside a window]
+``save_checkpoint``, the 16-bit consolidation (``_zero3_consolidated_16bit_state_dict``, HF's ``save_model``)
+and ``load_checkpoint`` may run between micro-steps. DeepSpeed 0.19.8 keeps the window's partial sums in its
+gradient partitions through all three (``checkpoint_event_epilogue`` only invalidates secondary tensors and
+re-gathers persistent parameters; no load path touches the gradient partitions or ``micro_step_id``), so the
+window's remaining micro-steps add to them and the step applies the whole window (after a load: to the loaded
+weights). FCDP keeps its part of the window likewise: the node buffer's partial sums, the delivery ledger
+(a parameter delivered earlier in the window is added to, not overwritten) and the pending error-feedback
+residuals ([Note: residual commit] in ``compress/residual.py``). A saved checkpoint holds no partial window
+sums, in DeepSpeed as here. Readers of DeepSpeed's gradient partitions *between* micro-steps
 (``safe_get_local_grad`` before the boundary) see nothing of the window so far under node accumulation; at
 the boundary they see the full sum.
 """

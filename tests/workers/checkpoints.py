@@ -82,3 +82,53 @@ def latest_after_every_file(ckpt_dir: str, slow: tuple = (1,), delay: float = 1.
             engine.checkpoint_engine.commit = check_then_commit
         engine.save_checkpoint(ckpt_dir, tag=tag)
     return out
+
+
+#: Engines of :func:`mid_window`: plain ZeRO-3, FCDP on ZeRO-3's gradient path, node accumulation (the ``auto``
+#: default on 2 x 2), and node accumulation with a budget that leaves some parameters unbuffered (the delivery
+#: ledger adds their per-micro-step deliveries).
+MID_WINDOW_ENGINES = {"zero3": None, "exact": {}, "node": {"grad_accumulation": "node"},
+                      "node_budget": {"grad_accumulation": "node", "grad_buffer_budget": 8192}}
+#: Per optimizer step: the checkpoint event after micro-step ``at`` of the window (none in step 0 and the last).
+MID_WINDOW_EVENTS = ("", "save", "save16", "load", "")
+
+
+def _mid_window_event(engine, event: str, ckpt_dir: str, name: str) -> None:
+    if event == "save":
+        engine.save_checkpoint(ckpt_dir, tag=f"{name}_mid")
+    elif event == "save16":  # what HF's save_model runs under stage3_gather_16bit_weights_on_model_save
+        engine._zero3_consolidated_16bit_state_dict()
+    elif event == "load":  # in-process, the checkpoint of step 0's boundary
+        engine.load_checkpoint(ckpt_dir, tag=f"{name}_s0")
+
+
+def mid_window(ckpt_dir: str, grad_accum: int, at: int, events: tuple = MID_WINDOW_EVENTS,
+               engines: tuple = tuple(MID_WINDOW_ENGINES)) -> dict:
+    """Each engine trains ``len(events)`` optimizer steps of ``grad_accum`` micro-steps; step 0 ends with a save
+    (tag ``<engine>_s0``); in step i the checkpoint event ``events[i]`` runs after micro-step ``at`` of the window.
+    Records the losses and, after every step, the full weights (rank 0)."""
+    import torch.nn.functional as F
+    setup()
+    out = {}
+    for name in engines:
+        extra = MID_WINDOW_ENGINES[name]
+        engine = toy.build_engine(toy.ds_config(None if extra is None else fcdp_block(**extra), regime="large",
+                                                grad_accum=grad_accum))
+        losses, weights, micro = [], [], 0
+        for event in events:
+            for k in range(grad_accum):
+                if k == at and event:
+                    _mid_window_event(engine, event, ckpt_dir, name)
+                x, y = toy.batch(micro, 4, 32)
+                loss = F.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                micro += 1
+            if micro == grad_accum:
+                engine.save_checkpoint(ckpt_dir, tag=f"{name}_s0")
+            full = toy.gather_weights(engine)  # collective
+            weights.append(full if dist.get_rank() == 0 else {})
+        stats = {} if extra is None else __import__("fcdp_deepspeed").get_stats(engine)
+        out[name] = {"losses": losses, "weights": weights, "grad_accumulated": stats.get("grad_accumulated", 0)}
+    return out

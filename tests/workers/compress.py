@@ -205,6 +205,54 @@ def checkpoints(ckpt_dir: str, steps: int = 2) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _seeding_inside_exact_gathers():
+    """Broken: exact gathers inside ``exact_gathers`` seed the references (training's next deltas change)."""
+    original = cparams.ParamCompression.seed
+
+    def seed(self, params, bundle, part):
+        saved, self.exact_only = self.exact_only, False
+        try:
+            original(self, params, bundle, part)
+        finally:
+            self.exact_only = saved
+    cparams.ParamCompression.seed = seed
+    try:
+        yield
+    finally:
+        cparams.ParamCompression.seed = original
+
+
+def exact_eval(ckpt_dir: str) -> dict:
+    """int8: 2 steps, a save, an eval inside ``fcdp_deepspeed.exact_gathers``, 2 more steps (``with``); the same run
+    without the eval (``without``) and with a variant that seeds references inside (``broken``); plain ZeRO-3 loads
+    the checkpoints saved right before each exact eval and evaluates the same input."""
+    x = toy.batch(4242, 4, HIDDEN)[0].to(torch.bfloat16)
+    out: dict = {}
+    for name in ("with", "without", "broken"):
+        engine = _engine("int8")
+        rec = Recorder(engine)
+        run = _train(engine, rec, 2)
+        engine.save_checkpoint(ckpt_dir, tag=f"exact_{name}")
+        if name != "without":
+            with _seeding_inside_exact_gathers() if name == "broken" else contextlib.nullcontext():
+                with fcdp_deepspeed.exact_gathers(engine):
+                    run["exact_eval"] = toy.evaluate(engine, x)
+            run["exact_gathers"] = fcdp_deepspeed.get_stats(engine)["param_exact_gathers"]
+        run["losses"] += _train(engine, rec, 2, seed=3)["losses"]
+        out[name] = _result(engine, rec, run)
+        if name == "with":  # after a step: exact inside, the reconstructions outside
+            with fcdp_deepspeed.exact_gathers(engine):
+                out[name]["exact_eval_end"] = toy.evaluate(engine, x)
+            engine.save_checkpoint(ckpt_dir, tag="exact_end")
+            out[name]["default_eval_end"] = toy.evaluate(engine, x)
+    for tag in ("exact_with", "exact_end"):
+        plain = toy.build_engine(toy.ds_config(None, regime="large", dtype="bf16"), hidden=HIDDEN, seed=5)
+        plain.load_checkpoint(ckpt_dir, tag=tag)
+        out[f"zero3_{tag}"] = toy.evaluate(plain, x)
+    return out
+
+
 def suite(ckpt_dir: str) -> dict:
     """Every scenario of test_compress_params.py in one launch (the runs are sequential, each a fresh engine)."""
     setup(2)
@@ -229,6 +277,7 @@ def suite(ckpt_dir: str) -> dict:
     }
     out["no_room"] = _no_room(logs)
     out.update(checkpoints(ckpt_dir))
+    out["exact_eval"] = exact_eval(ckpt_dir)
     one_node = toy.build_engine(toy.ds_config(fcdp_block(4, param_compression="int8"), regime="large", dtype="bf16"),
                                 hidden=HIDDEN)
     out["one_node"] = {"stats": fcdp_deepspeed.get_stats(one_node), "logs": logs.fcdp("has no effect")}

@@ -67,6 +67,14 @@ def sabotaged(kind: str) -> Iterator[None]:
         name, original = "discard", cls.discard
         saved = {name: original}
         cls.discard = lambda self, skipped: self.commit() if skipped else original(self, skipped)
+    elif kind == "discard_at_checkpoint":  # the old epilogue: a checkpoint event drops the window's pending residual
+        from fcdp_deepspeed.stage3 import FCDPStage3
+        original_epilogue = FCDPStage3.checkpoint_event_epilogue
+
+        def epilogue(self):
+            self._fcdp_compressor().discard(skipped=False)
+            original_epilogue(self)
+        FCDPStage3.checkpoint_event_epilogue = epilogue
     elif kind:
         raise ValueError(kind)
     try:
@@ -74,6 +82,8 @@ def sabotaged(kind: str) -> Iterator[None]:
     finally:
         for attr, fn in saved.items():
             setattr(ResidualStore if attr == "read" else cls, attr, fn)
+        if kind == "discard_at_checkpoint":
+            FCDPStage3.checkpoint_event_epilogue = original_epilogue
 
 
 @contextlib.contextmanager
@@ -115,6 +125,44 @@ def partitions(engine) -> torch.Tensor:
     return torch.cat(out)
 
 
+def peer_residuals(engine) -> torch.Tensor:
+    """The committed residual rows the senders of this rank's peer group hold for this rank's partitions, summed,
+    laid out as :func:`partitions` (float64; zero for parameters without a residual slot). Collective.
+
+    [Note: the error-feedback invariant] Sender q's row for peer p telescopes over its exchanges: what it sent
+    (decoded) adds up to its exact node sums minus its last residual. So the sum of this rank's gradient partitions
+    over every window equals the exact sum minus these rows, whatever the windows, events and flushes were."""
+    compressor = engine.optimizer.fcdp_grads.comm.compressor
+    store, layout = compressor.store, compressor.layout
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, residual(engine))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    row = list(layout.peer_ranks).index(rank)
+    out = []
+    for _, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        own = own_chunk_numel(p.ds_numel, world, rank)
+        total = torch.zeros(own, dtype=torch.float64)
+        if store.covers(p.ds_id):
+            offset, numel = store.offsets[p.ds_id]
+            for sender in layout.peer_ranks:
+                rows = every[sender].narrow(0, offset, numel).view(layout.nodes, numel // layout.nodes)
+                total += rows[row, :own].double()
+        out.append(total)
+    return torch.cat(out)
+
+
+def checkpoint_event(engine, event: str, ckpt_dir: str) -> None:
+    """A checkpoint event between micro-steps (``mid_window``): a save, or HF save_model's 16-bit consolidation."""
+    if event == "save":
+        engine.save_checkpoint(ckpt_dir, tag="mid_window")
+    elif event == "save16":
+        engine._zero3_consolidated_16bit_state_dict()
+    else:
+        raise ValueError(event)
+
+
 def model_hash(engine) -> str:
     """sha256 of the full model as this rank gathers it (every rank gathers)."""
     h = hashlib.sha256()
@@ -130,8 +178,10 @@ def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
     ga, hidden = engine.gradient_accumulation_steps(), 32
     out: dict = {"losses": [], "stats": [], "grads": [], "residuals": []}
     micro = 0
-    for _ in range(sc.get("steps", 3) if steps is None else steps):
-        for _ in range(ga):
+    for step in range(sc.get("steps", 3) if steps is None else steps):
+        for k in range(ga):
+            if k == 1 and step in sc.get("mid_window", {}):  # after the window's first micro-step
+                checkpoint_event(engine, sc["mid_window"][step], sc["ckpt_dir"])
             x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden, seed)
             loss = F.mse_loss(engine(x, **grad_workers.gate(sc, micro)), y)
             engine.backward(loss)
@@ -158,6 +208,8 @@ def run(sc: dict) -> dict:
             grad_workers.inject_overflow(engine, sc["overflow_at"])
         res = train(engine, sc)
     res["skipped_steps"] = engine.skipped_steps
+    if sc.get("record_invariant"):
+        res["peer_residuals"] = peer_residuals(engine)
     res["hash"] = model_hash(engine)
     res["weights"] = rank0(toy.gather_weights(engine))
     res["engine"] = engine
@@ -189,6 +241,45 @@ def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
     return out
 
 
+def _compression_state(engine) -> dict:
+    """What a load without the optimizer state must reset: committed residuals, references, the refresh counter."""
+    from fcdp_deepspeed.compress.reference import RefState
+    store = engine.optimizer.fcdp.compression.store
+    return {"residual_norm": residual(engine).norm().item(), "steps": store.steps,
+            "valid_refs": sum(r.state is RefState.VALID for r in store.refs.values()),
+            "refs": len(store.refs), "zeroed_loads": fcdp_deepspeed.get_stats(engine)["grad_residual_zeroed_loads"]}
+
+
+def reloads(ckpt_dir: str, sc: dict) -> dict:
+    """Both compressions on (``param_compression`` int8 and the scenario's ``grad_compression``): save after 2
+    steps, train on, then load into the running engine without the optimizer states, module only, and from a
+    universal checkpoint (converted with DeepSpeed's tool) into an engine trained since; each load's state after
+    it, and ``param_exact_gathers`` after one more step."""
+    from pathlib import Path
+    from fcdp_deepspeed.tools import resize
+    both = {**sc, "fcdp": {**sc["fcdp"], "param_compression": "int8", "param_refresh_interval": 7}}
+    engine = grad_workers.build(both, config(both))
+    train(engine, both, steps=2)
+    engine.save_checkpoint(ckpt_dir, tag="both")
+    out = {}
+    loads = (("no_optimizer", {"load_optimizer_states": False}), ("module_only", {"load_module_only": True}))
+    for name, kwargs in loads:
+        train(engine, both, steps=1)
+        before = _compression_state(engine)
+        engine.load_checkpoint(ckpt_dir, tag="both", **kwargs)
+        out[name] = {"before": before, "after": _compression_state(engine)}
+        train(engine, both, steps=1)
+        out[name]["exact_gathers"] = fcdp_deepspeed.get_stats(engine)["param_exact_gathers"]
+    tag = [resize.convert(Path(ckpt_dir), "both") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(tag, src=0)
+    universal = toy.build_engine({**config(both), "checkpoint": {"load_universal": True}})
+    train(universal, both, steps=2)
+    before = _compression_state(universal)
+    universal.load_checkpoint(ckpt_dir, tag=tag[0])
+    out["universal"] = {"before": before, "after": _compression_state(universal)}
+    return out
+
+
 def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: dict, exact_for_checkpoint: str,
                      refusals: list[dict]) -> dict:
     """Every scenario (one engine each), then the checkpoint flow and the refusals, in one launch."""
@@ -198,10 +289,11 @@ def compression_runs(scenarios: list[dict], ckpt_dir: str, checkpoint_scenario: 
     engines = {}
     for sc in scenarios:
         first = len(log.messages)
-        res = run(sc)
+        res = run({**sc, "ckpt_dir": ckpt_dir})
         engines[sc["name"]] = res.pop("engine")
         res["warnings"] = [m for m in log.messages[first:] if m.startswith("fcdp:") and "residuals need" in m]
         out[sc["name"]] = res
     out["checkpoint"] = checkpoint(ckpt_dir, checkpoint_scenario, engines[exact_for_checkpoint])
+    out["reloads"] = reloads(ckpt_dir, checkpoint_scenario)
     out["refusals"] = grad_workers.refusals(refusals)
     return out

@@ -169,12 +169,26 @@ def _delta(shape: torch.Size, seed: int) -> torch.Tensor:
 
 
 # -- events ------------------------------------------------------------------------------------------
+def _inside_window(seq: Sequence, b: eng.Built, event: str) -> None:
+    """A checkpoint event between two micro-steps of a window: ``save_checkpoint``, the 16-bit consolidation
+    (``_zero3_consolidated_16bit_state_dict``, what HF's ``save_model`` runs) or an in-process ``load_checkpoint``
+    of ``t0`` (skipped after a resize: that load needs fresh engines). ZeRO-3 keeps the window's partial sums."""
+    e = b.engine
+    if event == "save":
+        e.save_checkpoint(seq.dir_of(b), tag="mid_window")
+    elif event == "save16":
+        e._zero3_consolidated_16bit_state_dict()
+    elif event == "load" and seq.tags.get("t0") == seq.layout:
+        e.load_checkpoint(seq.dir_of(b), tag="t0")
+
+
 def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = False,
-          bad_batch: bool = False) -> dict[str, Obs]:
+          bad_batch: bool = False, inside: str = "") -> dict[str, Obs]:
     """One optimizer step of ``micro`` micro-steps ([Note: GA per step]); activation checkpointing
     recomputes the blocks in backward when ``ckpt``; ``eval_between`` evaluates after the first micro-step;
     ``bad_batch``: the first micro-step's loss is infinite (a bad batch), so the gradient norm is not
-    finite and ZeRO-3 skips the step (``is_invalid_grad_norm``, any dtype) and discards the window."""
+    finite and ZeRO-3 skips the step (``is_invalid_grad_norm``, any dtype) and discards the window;
+    ``inside``: a checkpoint event after the first micro-step (:func:`_inside_window`)."""
     def step(b: eng.Built) -> Obs:
         e = b.engine
         e.set_train_batch_size(eng.MICRO_BATCH * e.dp_world_size * micro)
@@ -191,6 +205,8 @@ def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = Fa
             obs["losses"].append(loss.item())
             if eval_between and i == 0 and micro > 1:
                 obs["outputs"] = evaluate(e, probe_input(seq.layout.vocab))
+            if inside and i == 0 and micro > 1:
+                _inside_window(seq, b, inside)
         e.module.activation_checkpointing = False
         return obs
 

@@ -116,10 +116,12 @@ class EventMachine(RuleBasedStateMachine):
     def train(self, micro: int) -> None:
         self._event("train", micro=micro)
 
-    @rule(micro=st.integers(2, 4), eval_between=st.booleans())
-    def train_accumulate(self, micro: int, eval_between: bool) -> None:
-        """Gradient accumulation, optionally with an eval forward inside the window."""
-        self._event("train", micro=micro, eval_between=eval_between)
+    @rule(micro=st.integers(2, 4), eval_between=st.booleans(), inside=st.sampled_from(("", "save", "save16", "load")))
+    def train_accumulate(self, micro: int, eval_between: bool, inside: str) -> None:
+        """Gradient accumulation, optionally with an eval forward inside the window, and optionally a checkpoint
+        event after its first micro-step (a save, the 16-bit consolidation HF's save_model runs, an in-process
+        load): the rest of the window adds to the partial sums, as in ZeRO-3."""
+        self._event("train", micro=micro, eval_between=eval_between, **({"inside": inside} if inside else {}))
 
     @rule(micro=st.integers(1, 2))
     def train_recompute(self, micro: int) -> None:
