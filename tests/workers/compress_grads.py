@@ -15,6 +15,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.compress import IdentityCodec
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.residual import ResidualStore
@@ -22,6 +23,7 @@ from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
+from workers.replicas import ReplicaHashes
 
 BLOCK = 128
 
@@ -90,9 +92,19 @@ def rank0(weights: dict) -> dict:
     return weights if dist.get_rank() == 0 else {}
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def config(sc: dict) -> dict:
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})}
-    cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), **sc.get("zero", {}))
+    dtype = sc.get("dtype", "fp32")
+    if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), dtype=dtype,
+                        **sc.get("zero", {}))
+    if sc.get("clip"):
+        cfg["gradient_clipping"] = sc["clip"]
     return cfg
 
 
@@ -124,17 +136,20 @@ def model_hash(engine) -> str:
     return h.hexdigest()
 
 
-def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
+def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None, replicas: Optional[ReplicaHashes] = None) -> dict:
     """Optimizer steps with per-step stats; optionally the partitions at each boundary and the residual after each
-    step."""
+    step. ``sc["spike"] = {step: factor}`` multiplies that step's loss (a gradient spike)."""
     ga, hidden = engine.gradient_accumulation_steps(), 32
+    dtype = DTYPES[sc.get("dtype", "fp32")]
     out: dict = {"losses": [], "stats": [], "grads": [], "residuals": []}
     micro = 0
-    for _ in range(sc.get("steps", 3) if steps is None else steps):
+    for step in range(sc.get("steps", 3) if steps is None else steps):
+        if replicas is not None:
+            replicas.step = step
         for _ in range(ga):
             x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden, seed)
-            loss = F.mse_loss(engine(x, **grad_workers.gate(sc, micro)), y)
-            engine.backward(loss)
+            loss = F.mse_loss(engine(x.to(dtype), **grad_workers.gate(sc, micro)).float(), y)
+            engine.backward(loss * sc.get("spike", {}).get(step, 1.0))
             if sc.get("record_grads") and engine.is_gradient_accumulation_boundary():
                 out["grads"].append(partitions(engine))
             engine.step()
@@ -149,6 +164,8 @@ def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
 def run(sc: dict) -> dict:
     if sc.get("fault"):
         os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
+    if sc.get("broken"):
+        os.environ[faults.COMPRESSION_ENV] = sc["broken"]  # read at every use (fcdp_deepspeed/faults.py)
     with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")):
         try:
             engine = grad_workers.build(sc, config(sc))
@@ -156,7 +173,12 @@ def run(sc: dict) -> dict:
             os.environ.pop("FCDP_INJECT_FAULT", None)
         if sc.get("overflow_at"):
             grad_workers.inject_overflow(engine, sc["overflow_at"])
-        res = train(engine, sc)
+        replicas = ReplicaHashes(engine.module)
+        try:
+            res = train(engine, sc, replicas=replicas)
+        finally:
+            os.environ.pop(faults.COMPRESSION_ENV, None)
+    res["replicas"] = replicas.hashes
     res["skipped_steps"] = engine.skipped_steps
     res["hash"] = model_hash(engine)
     res["weights"] = rank0(toy.gather_weights(engine))
