@@ -215,6 +215,19 @@ def test_checkpoint_resume_is_bit_identical_and_foreign_checkpoints_start_exact(
             assert stats["param_exact_gathers"] == {"checkpoint load": SLOTTED} and stats["param_compressed_gathers"] == 0
 
 
+def test_each_rank_saves_only_its_share_of_the_references_and_a_load_rebuilds_them(suite):
+    """[Note: reference shares] in compress/reference.py: one row of the bundle per rank (1/N of what it holds); the
+    resume above rebuilds every bundle bit for bit from the peers' rows, and rows taken from the wrong peers (the
+    broken variant) do not resume the run."""
+    for per_rank in suite:
+        shares = per_rank["saved_shares"]
+        assert len(shares) == SLOTTED and all(saved == part and nodes == 2 for saved, part, nodes in shares.values())
+        broken, uninterrupted = per_rank["resumed_wrong_share"], per_rank["uninterrupted"]
+        assert broken["stats"][0]["param_exact_gathers"] == {}  # it loaded (compressed from the first gather)
+        tail = _values(uninterrupted)[-len(_values(broken)):]
+        assert _values(broken) != tail and _values(per_rank["resumed"]) == tail
+
+
 def test_one_node_makes_compression_a_no_op_with_one_log_line(suite):
     one = suite[0]["one_node"]
     assert one["stats"]["param_compression"] == "off" and len(one["logs"]) == 1 and "no effect" in one["logs"][0]

@@ -221,16 +221,33 @@ def checkpoints(ckpt_dir: str, steps: int = 2) -> dict:
     engine.save_checkpoint(ckpt_dir, tag="int8")
     engine.save_16bit_model(ckpt_dir, "int8_16bit.bin")  # consolidation keeps the references (the resume compares)
     out["uninterrupted"] = _result(engine, rec, _train(engine, rec, steps, seed=5))
+    out["saved_shares"] = _saved_shares(engine, os.path.join(ckpt_dir, "int8"))
     plain = _engine("off")
     _train(plain, Recorder(plain), 1)
     plain.save_checkpoint(ckpt_dir, tag="off")
-    for name, tag, extra in (("resumed", "int8", {}), ("from_off", "off", {}), ("other_block", "int8", {"compression_block": 64})):
-        fresh = _engine("int8", seed=77, **extra)
-        fresh.load_checkpoint(ckpt_dir, tag=tag)
+    for name, tag, extra in (("resumed", "int8", {}), ("from_off", "off", {}), ("other_block", "int8", {"compression_block": 64}),
+                             ("resumed_wrong_share", "int8", {})):
+        if name == "resumed_wrong_share":  # the broken variant: bundles rebuilt from the wrong peers' rows
+            os.environ[faults.COMPRESSION_ENV] = "share"
+        try:
+            fresh = _engine("int8", seed=77, **extra)
+            fresh.load_checkpoint(ckpt_dir, tag=tag)
+        finally:
+            os.environ.pop(faults.COMPRESSION_ENV, None)
         rec = Recorder(fresh)
-        out[name] = _result(fresh, rec, _train(fresh, rec, steps if name == "resumed" else 1, seed=5),
-                            weights=name == "resumed")
+        out[name] = _result(fresh, rec, _train(fresh, rec, steps if name.startswith("resumed") else 1, seed=5),
+                            weights=name.startswith("resumed"))
     return out
+
+
+def _saved_shares(engine, tag_dir: str) -> dict:
+    """Per saved reference of this rank's optimizer state file: ``(saved elements, partition elements)``."""
+    import glob
+    rank = dist.get_rank()
+    path, = glob.glob(os.path.join(tag_dir, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    part = state["fcdp_compression"]["params"]
+    return {name: (ref["values"].numel(), ref["partition_numel"], ref["nodes"]) for name, ref in part["references"].items()}
 
 
 def suite(ckpt_dir: str) -> dict:

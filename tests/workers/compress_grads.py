@@ -29,10 +29,11 @@ BLOCK = 128
 
 
 class WrongScale(IdentityCodec):
-    """Decodes 1 + 2^-7 times what was encoded (a scale that does not match the sender's)."""
+    """Decodes 1 + 2^-6 times what was encoded (a scale that does not match the sender's; since issue 33 the own
+    row is not decoded, so it reaches half the sum at 2 nodes: 2^-6 rather than 2^-7 keeps it as far off)."""
 
     def decode_rows(self, packed, numel):
-        return super().decode_rows(packed, numel) * (1 + 2**-7)
+        return super().decode_rows(packed, numel) * (1 + 2**-6)
 
 
 class RowsReversed(IdentityCodec):
