@@ -80,7 +80,8 @@ REFUSALS = [
     dict(fcdp={**INT8, "ranks_per_node": 4}),  # one node: the plan is flat
     dict(fcdp=INT4, zero={"zero_quantized_gradients": True}),
 ]
-CHECKPOINT = dict(name="ckpt", fcdp={**NODE, **INT8}, grad_accum=2)
+#: gradient_clipping binds (the saved residuals carry their clip coefficient: [Note: residuals and clipping])
+CHECKPOINT = dict(name="ckpt", fcdp={**NODE, **INT8}, grad_accum=2, clip=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +232,7 @@ def test_checkpoint_resume_is_bit_identical_and_other_settings_start_from_zero(r
     for per_rank in runs:
         ck = per_rank["checkpoint"]
         assert ck["saved_residual"].abs().sum() > 0 and torch.equal(ck["loaded_residual"], ck["saved_residual"])
+        assert ck["saved_clips"] and max(ck["saved_clips"]) < 1.0  # clipping bound: the resume covers the scaling
         assert ck["resumed"]["losses"] == ck["continued"]["losses"]
         assert not ck["other_block_residual"].any() and not ck["off_residual"].any()
         assert ck["zeroed_loads"] == [0, 1, 1]

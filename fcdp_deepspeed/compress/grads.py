@@ -17,7 +17,7 @@ runs with torch ops on the reduce stream: no host read, no host wait. Parameters
 budget) take the exact stage in the same call.
 
 [Note: the own row] Row ``me`` (this rank's index among its node peers) is this rank's own node sum for its own
-partition: the all-to-all hands it back to this rank. Quantizing it would only add error (about a third of the
+partition: the all-to-all hands it back to this rank. Quantizing it would only add error (about a quarter of the
 per-step error at 2 nodes, measured in docs/COMPRESSION.md), so the decoded row is replaced by the exact one and it
 has no residual: residuals hold the ``N - 1`` sent rows (``compress/residual.py``), 1/N less memory. The identity
 codec's guard is unchanged (identity decodes the exact row anyway); every rank applies the same rule to its own row.
@@ -26,9 +26,10 @@ codec's guard is unchanged (identity decodes the exact row anyway); every rank a
 ``gradient_clipping`` the step applies ``coef * sum`` with ``coef = 1 / max(1, (norm + 1e-6) / clip)``, DeepSpeed's
 own coefficient (``unscale_and_clip_grads``) from the global norm every rank shares; after a spike an unscaled
 residual (what the spike's quantization lost) would dominate the next steps. ``commit(clip=coef)`` keeps the
-coefficient (a device tensor, no host read) and the next window's first read of the committed residual is
-multiplied by it, so the residual enters in the units it would have been applied in; a checkpoint saves the scaled
-residual (format 2). Every rank multiplies by the same value, so replicas stay bitwise equal.
+coefficient (a device tensor, no host read) for each residual that step committed (a parameter not exchanged in a
+later window keeps its own step's), and the next window's first read of a committed residual is multiplied by it,
+so the residual enters in the units it would have been applied in; a checkpoint saves the scaled residual (format
+2). Every rank multiplies by the same value, so replicas stay bitwise equal.
 """
 from __future__ import annotations
 
@@ -39,9 +40,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import faults
-
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
@@ -83,9 +82,10 @@ class GradCompressor:
         self.loss_scale = loss_scale
         self.left_out_bytes = left_out_bytes
         #: This rank's row (its index among its node peers): summed exact, no residual ([Note: the own row]).
-        self.me = layout.peer_ranks.index(dist.get_rank()) if dist.get_rank() in layout.peer_ranks else 0
-        #: The clip coefficient of the step that committed the residuals (``None``: 1), see [Note: residuals and clipping].
-        self.clip: Optional[torch.Tensor] = None
+        self.me = layout.peer_ranks.index(dist.get_rank())
+        #: ds_id -> the clip coefficient of the step that committed its residual (absent: 1), see [Note: residuals
+        #: and clipping].
+        self.clips: dict[int, torch.Tensor] = {}
         self.counters = CompressionCounters()
         self._window_sq: Optional[torch.Tensor] = None  # [sum r^2, sum x^2] of this window's exchanges (device)
         self._step_sq: Optional[torch.Tensor] = None  # the same for the last applied step
@@ -115,8 +115,8 @@ class GradCompressor:
             first = ds_id not in self.store.pending  # the committed residual: scaled by its step's clip coefficient
             residual = self.store.read(ds_id, (self.layout.nodes - 1, p), scale)
             if residual is not None:
-                if first and self.clip is not None:
-                    residual = residual * self.clip
+                if first and ds_id in self.clips:
+                    residual = residual * self.clips[ds_id]
                 x[:me, offset:offset + p].add_(residual[:me])  # the sent rows: every row but ``me``
                 x[me + 1:, offset:offset + p].add_(residual[me:])
             offset += p
@@ -149,9 +149,15 @@ class GradCompressor:
     # -- the step (called by FCDPStage3, see [Note: residual commit]) ---------------------------------------
     def commit(self, clip: Optional[torch.Tensor] = None) -> None:
         """The step was applied; ``clip``: its clip coefficient ([Note: residuals and clipping])."""
+        ids = list(self.store.pending)
         if self.store.commit():
             self._step_sq, self._window_sq = self._window_sq, None
-            self.clip = None if faults.compression_broken("clip") else clip
+            clip = None if faults.compression_broken("clip") else clip
+            for ds_id in ids:
+                if clip is None:
+                    self.clips.pop(ds_id, None)
+                else:
+                    self.clips[ds_id] = clip
 
     def discard(self, skipped: bool) -> None:
         self._window_sq = None
@@ -169,12 +175,18 @@ class GradCompressor:
 
     def save(self) -> dict:
         flat, scales = self.store.snapshot()
-        if flat is not None and self.clip is not None:  # what the next window would read ([Note: residuals and clipping])
-            flat = flat * torch.tensor(device.small_to_host(self.clip.reshape(1))[0], dtype=flat.dtype)
+        if flat is not None and self.clips:  # what the next window would read ([Note: residuals and clipping])
+            offset = 0  # the snapshot is a fresh tensor
+            for ds_id in sorted(self.store.offsets):  # the snapshot's order
+                numel = self.store.offsets[ds_id][1]
+                if ds_id in self.clips:
+                    value = device.small_to_host(self.clips[ds_id].reshape(1))[0]
+                    flat.narrow(0, offset, numel).mul_(torch.tensor(value, dtype=flat.dtype))
+                offset += numel
         return {"format": FORMAT, "fingerprint": self.fingerprint(), "residual": flat, "scales": scales}
 
     def load(self, part: Optional[dict]) -> None:
-        self.clip = None
+        self.clips = {}
         if part is not None and part.get("format") == FORMAT and part.get("fingerprint") == self.fingerprint():
             return self.store.restore(part["residual"], part["scales"])
         self.store.restore(None, [])

@@ -88,7 +88,8 @@ def hadamard_(blocks: torch.Tensor) -> torch.Tensor:
     rows, width = blocks.shape
     stages = width.bit_length() - 1
     big = blocks.abs().amax(dim=1, keepdim=True) > torch.finfo(torch.float32).max / width
-    down = torch.where(big, torch.full_like(big, 2.0 ** -stages, dtype=blocks.dtype), torch.ones_like(big, dtype=blocks.dtype))
+    one = torch.ones_like(big, dtype=blocks.dtype)
+    down = torch.where(big, one * 2.0 ** -stages, one)
     y, h = blocks * down, 1
     while h < width:
         pairs = y.reshape(rows, width // (2 * h), 2, h)

@@ -110,9 +110,10 @@ def config(sc: dict) -> dict:
 
 
 def residual(engine) -> torch.Tensor:
-    """This rank's committed residuals, flat (zeros before any was written)."""
-    store = engine.optimizer.fcdp_grads.comm.compressor.store
-    flat, _ = store.snapshot()
+    """This rank's committed residuals as the next window reads them (times their clip coefficient, as a checkpoint
+    saves them), flat (zeros before any was written)."""
+    compressor = engine.optimizer.fcdp_grads.comm.compressor
+    store, flat = compressor.store, compressor.save()["residual"]
     total = sum(n for _, n in store.offsets.values())
     return torch.zeros(total) if flat is None else flat.float().clone()
 
@@ -137,7 +138,8 @@ def model_hash(engine) -> str:
     return h.hexdigest()
 
 
-def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None, replicas: Optional[ReplicaHashes] = None) -> dict:
+def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None,
+          replicas: Optional[ReplicaHashes] = None) -> dict:
     """Optimizer steps with per-step stats; optionally the partitions at each boundary and the residual after each
     step. ``sc["spike"] = {step: factor}`` multiplies that step's loss (a gradient spike)."""
     ga, hidden = engine.gradient_accumulation_steps(), 32
@@ -193,7 +195,9 @@ def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
     train(engine, sc, steps=2)
     engine.save_checkpoint(ckpt_dir, tag="int8")
     saved = residual(engine)
-    out = {"saved_residual": saved, "continued": train(engine, sc, seed=5, steps=2)}
+    clips = engine.optimizer.fcdp_grads.comm.compressor.clips
+    out = {"saved_residual": saved, "saved_clips": [float(c) for c in clips.values()],
+           "continued": train(engine, sc, seed=5, steps=2)}
     out["continued"]["weights"] = rank0(toy.gather_weights(engine))  # collective: every rank gathers
     fresh = toy.build_engine(config(sc), seed=99)  # another init: the load must overwrite everything
     fresh.load_checkpoint(ckpt_dir, tag="int8")
