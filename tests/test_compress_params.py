@@ -107,9 +107,13 @@ def test_recompute_and_eval_gathers_are_hashed_and_compressed(suite):
     covers them), and the reconstructions stay within the codec's bound."""
     for per_rank in suite:
         run = per_rank["recompute_eval"]
-        assert {phase for _, phase, _, _ in run["replicas"]} == {"train", "eval"}
+        assert {phase for _, phase, _, _ in run["replicas"]} == {"train", "backward", "eval"}
         train = [h for h in run["replicas"] if h[1] == "train" and h[2] == "blocks.0.fc.weight"]
         assert len(train) == 2 * 3  # forward + recompute in backward, 3 steps
+        # backward computes with what forward did (a cache hit of the reconstruction), never an empty parameter
+        forward = {(step, name): d for step, phase, name, d in run["replicas"] if phase == "train"}
+        backward = [(step, name, d) for step, phase, name, d in run["replicas"] if phase == "backward"]
+        assert backward and all(forward[(step, name)] == d for step, name, d in backward)
         assert run["violations"] == [] and run["stats"][-1]["param_compressed_gathers"] >= SLOTTED * 2
         assert 0 < run["stats"][-1]["param_drift_max"] < 2e-3
 
