@@ -134,6 +134,13 @@ def test_an_uncached_parameter_gathered_several_times_in_one_step(suite):
         per_step = stats[2]["param_compressed_gathers"] - stats[1]["param_compressed_gathers"]
         assert per_step >= 2 * SLOTTED, per_step  # forward, backward (and eval) gather every step, compressed
         assert all(0 < s["param_drift_max"] < 2e-3 for s in stats[1:]), [s["param_drift_max"] for s in stats]
+    run = suite[0]["uncached"]["replicas"]
+    forward = {(step, name): d for step, phase, name, d in run if phase == "train"}
+    backward = [(step, name, d) for step, phase, name, d in run if phase == "backward"]
+    # [Note: informational] each gather of an uncached parameter reconstructs against the one before it, so its
+    # backward may compute with a (closer) reconstruction than its forward did; printed, not asserted
+    print(f"uncached: {sum(forward[(s_, n)] != d for s_, n, d in backward)} of {len(backward)} backward uses differ "
+          f"from their step's forward value")
 
 
 def test_a_parameter_frozen_after_build_is_counted_as_frozen(suite):
