@@ -205,9 +205,10 @@ class FCDPConfig(DeepSpeedConfigModel):
     """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
-    compression_block: int = Field(DEFAULT_BLOCK, ge=8, le=2**16, multiple_of=2)
+    compression_block: int = Field(DEFAULT_BLOCK, ge=8, le=2**16, multiple_of=2, strict=True)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing; a power of two with
-    ``grad_compression: int4``, whose blocks are rotated)."""
+    ``grad_compression: int4``, whose blocks are rotated). [Note: strict] A JSON integer only: ``"96"`` or ``96.0``
+    would skip the power-of-two rule below (it reads the raw value) and fail inside the codec without the key."""
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:

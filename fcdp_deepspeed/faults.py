@@ -14,6 +14,12 @@ tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): 
 ``checkpoint`` (the flush on checkpoint events), ``refresh`` (``partition(has_been_updated=True)``
 leaves a filled slot as it was); ``checkpoint_window`` is not an invalidation but the pre-fix checkpoint epilogue
 (issue 33): it drops the accumulation window's partial sums, which the state machine must find too.
+
+``FCDP_BREAK_COMPRESSION="reconstruction@1,own_row,clip"`` breaks the lossy paths (tests of the tests, on global
+rank 1 only or on every rank without ``@rank``): ``reconstruction`` (one rank's parameter reconstruction differs
+by one ulp in its first element, ``compress/params.py``), ``own_row`` (the gradient codec's own row is quantized,
+as before issue 33), ``clip`` (residuals ignore the clip coefficient), ``share`` (a reference checkpoint share
+is restored from the wrong peer).
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ FAULT_ENV = "FCDP_INJECT_FAULT"
 BREAK_ENV = "FCDP_BREAK_INVALIDATION"
 INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh",
                       "checkpoint_window")
+COMPRESSION_ENV = "FCDP_BREAK_COMPRESSION"
+COMPRESSION_PATHS = ("reconstruction", "own_row", "clip", "share")
 
 
 class InjectedFault(RuntimeError):
@@ -60,3 +68,18 @@ def invalidation_broken(path: str) -> bool:
     if unknown:
         raise ValueError(f"{BREAK_ENV}: unknown invalidation path(s) {sorted(unknown)}; known: {INVALIDATION_PATHS}")
     return path in named
+
+
+def compression_broken(path: str) -> bool:
+    """Whether ``FCDP_BREAK_COMPRESSION`` names ``path`` for this rank (test-only; one lookup when unset)."""
+    value = os.environ.get(COMPRESSION_ENV)
+    if not value:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    for item in value.split(","):
+        name, _, where = item.strip().partition("@")
+        if name not in COMPRESSION_PATHS:
+            raise ValueError(f"{COMPRESSION_ENV}: unknown path {name!r}; known: {COMPRESSION_PATHS}")
+        if name == path and (not where or int(where) == rank):
+            return True
+    return False

@@ -161,9 +161,14 @@ class CompressionSteps:
     def _post_step(self, timer_names) -> None:
         compressor = self._fcdp_compressor()
         if compressor is not None:
-            compressor.commit()
+            compressor.commit(clip=self._fcdp_clip_coefficient())
         self._fcdp_stepping = False
         super()._post_step(timer_names)
+
+    def _fcdp_clip_coefficient(self):
+        """The factor this step's ``unscale_and_clip_grads`` applied beyond the loss scale, as a device tensor
+        (``None`` without clipping): [Note: residuals and clipping] in ``compress/grads.py``."""
+        return compress_grads.clip_coefficient(getattr(self, "_global_grad_norm", None), self.clip_grad)
 
     def checkpoint_event_prologue(self) -> None:
         super().checkpoint_event_prologue()

@@ -81,8 +81,8 @@ def test_plan_labels_units_and_echoes_assumptions(capsys):
 
 def test_compressed_model_is_the_codec_wire_size():
     """Per message the codec's wire size (``compress.wire_bytes``); ``off`` is fcdp_node's exact trainable traffic;
-    references 1/L of the trainable parameters per rank in the parameter dtype, residuals the same in fp32,
-    doubled with fp16 dynamic loss scaling."""
+    references 1/L of the trainable parameters per rank in the parameter dtype, residuals (N - 1)/N of that in
+    fp32 (the own row has none), doubled with fp16 dynamic loss scaling."""
     n_nodes, L, numel, block = 4, 8, 10_000_000, 128
     w, per_owner = n_nodes * L, math.ceil(10_000_000 / 32)
     exact = compressed_step(n_nodes, L, numel, dtype_bytes=2)
@@ -92,7 +92,7 @@ def test_compressed_model_is_the_codec_wire_size():
     int4 = compressed_step(n_nodes, L, numel, 2, "off", "int4", block)
     assert int4["grad_stage_bytes"] == (n_nodes - 1) * w * math.ceil(per_owner / block) * (4 + block // 2)
     assert int4["param_stage_bytes"] == exact["param_stage_bytes"] and int4["reference_bytes_per_rank"] == 0
-    assert int8["reference_bytes_per_rank"] == numel / L * 2 and int8["residual_bytes_per_rank"] == numel / L * 4
+    assert int8["reference_bytes_per_rank"] == numel / L * 2 and int8["residual_bytes_per_rank"] == numel / L * 4 * (n_nodes - 1) / n_nodes
     fp16 = compressed_step(n_nodes, L, numel, 2, "off", "int8", block, fp16_dynamic_loss_scale=True)
     assert fp16["residual_bytes_per_rank"] == 2 * int8["residual_bytes_per_rank"]
     assert not compressed_step(1, 8, numel, 2, "int8", "int8")["applies"]  # one node: no inter-node stage

@@ -111,3 +111,27 @@ def test_int4_gradients_refuse_a_block_that_is_not_a_power_of_two():
     assert parse_fcdp_config({"fcdp": {"enabled": True, "param_compression": "int4", "compression_block": 96}})
     with pytest.raises(ValueError, match="power-of-two block"):
         BlockCodec("int4", 96, bits=4, rotate=True)
+
+
+def test_rotation_of_a_finite_huge_block_stays_finite_and_other_rows_keep_their_bits():
+    """[Note: butterfly range] in quant.py: the unnormalized butterflies grew a finite row above fp32 max / B to
+    inf (NaN after the subtraction); a guarded row is scaled by powers of two, so unguarded rows keep their bits."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 128, generator=gen)
+    x[1] *= 1e37  # finite, above fp32 max / 128 ~ 2.7e36
+    x[2] = 3e38 / 128 ** 0.5 * torch.sign(torch.randn(128, generator=gen))  # near the largest finite rotated norm
+    y = hadamard_(x)
+    assert torch.isfinite(y).all()
+    assert torch.allclose(hadamard_(y)[1:], x[1:], rtol=1e-5)
+    assert torch.allclose(y[1:].norm(dim=1), x[1:].norm(dim=1), rtol=1e-5)
+    unguarded = x[0].view(1, 128).clone()
+    h = 1
+    while h < 128:  # the transform without the guard: row 0's bits are unchanged by it
+        pairs = unguarded.reshape(1, 128 // (2 * h), 2, h)
+        unguarded = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    assert torch.equal(y[0], unguarded.reshape(128) * 128 ** -0.5)
+    codec = codec_for("int4", 128, side="grads")
+    decoded = codec.roundtrip(x[1])[1]  # 1e37-scale elements through the whole int4 gradient codec
+    err = (decoded.double() - x[1].double()).norm() / x[1].double().norm()  # float64: the norms overflow fp32
+    assert torch.isfinite(decoded).all() and err.item() < 0.2

@@ -33,6 +33,10 @@ def test_unknown_key_names_key_and_allowed_keys():
     ({"device_budget": "150%"}, "device_budget"),
     ({"verify": 1.5}, "verify"),
     ({"min_numel": -3}, "min_numel"),
+    # [Note: strict] in config.py: a string or a float block skipped int4's power-of-two rule, then failed in the codec
+    ({"compression_block": "96", "grad_compression": "int4"}, "compression_block"),
+    ({"compression_block": 96.0, "grad_compression": "int4"}, "compression_block"),
+    ({"compression_block": "128"}, "compression_block"),
 ])
 def test_bad_values_name_the_key(block, key):
     with pytest.raises(FCDPConfigError) as err:

@@ -8,12 +8,28 @@ Here each row becomes ``x = node_sum + residual`` (fp32: an fp16 window sum is e
 is encoded blockwise (``encode_rows``: fixed-size uint8 rows, blocks never span rows; a row's blocks run over
 the bucket's parameters in order), and the N rows go out in one ``all_to_all_single`` over the peer group, on
 gloo and NCCL alike: there is no quantized reduce-scatter, so every receiver decodes the N rows it got and sums
-them in fp32 in group-rank order, as the exact gloo path does. The sum is the partition, final: nothing divides
+them in fp32 in group-rank order, as the exact gloo path does, except its own row, which never leaves it and is
+summed exact ([Note: the own row]). The sum is the partition, final: nothing divides
 it again (qgZ in DeepSpeed 0.19.8 divides its decoded sum by the node count on one path while its fallback is
 divided by the world size, a factor a compressed path hides; ``tests/test_compress_grads.py`` catches either).
 The sender decodes its own bytes to form the residual ([Note: error feedback] in ``residual.py``). Everything
 runs with torch ops on the reduce stream: no host read, no host wait. Parameters without a residual slot (over
 budget) take the exact stage in the same call.
+
+[Note: the own row] Row ``me`` (this rank's index among its node peers) is this rank's own node sum for its own
+partition: the all-to-all hands it back to this rank. Quantizing it would only add error (about a quarter of the
+per-step error at 2 nodes, measured in docs/COMPRESSION.md), so the decoded row is replaced by the exact one and it
+has no residual: residuals hold the ``N - 1`` sent rows (``compress/residual.py``), 1/N less memory. The identity
+codec's guard is unchanged (identity decodes the exact row anyway); every rank applies the same rule to its own row.
+
+[Note: residuals and clipping] A residual is in the units of the pre-clip gradient sum. Under
+``gradient_clipping`` the step applies ``coef * sum`` with ``coef = 1 / max(1, (norm + 1e-6) / clip)``, DeepSpeed's
+own coefficient (``unscale_and_clip_grads``) from the global norm every rank shares; after a spike an unscaled
+residual (what the spike's quantization lost) would dominate the next steps. ``commit(clip=coef)`` keeps the
+coefficient (a device tensor, no host read) for each residual that step committed (a parameter not exchanged in a
+later window keeps its own step's), and the next window's first read of a committed residual is multiplied by it,
+so the residual enters in the units it would have been applied in; a checkpoint saves the scaled residual (format
+2). Every rank multiplies by the same value, so replicas stay bitwise equal.
 """
 from __future__ import annotations
 
@@ -24,7 +40,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
@@ -32,6 +48,9 @@ from fcdp_deepspeed.grads import GradReducer
 from fcdp_deepspeed.grads.layout import ReduceLayout
 from fcdp_deepspeed.plan import GradPlan, check_grad_compression
 from fcdp_deepspeed.stats import EventCounters, fmt_bytes, received_bytes
+
+#: Checkpoint format of the "grads" part: 2 = residuals of the N - 1 sent rows, clip coefficient applied.
+FORMAT = 2
 
 #: Test hook: a codec used instead of the configured one (``IdentityCodec`` guards the exchange's scale,
 #: divide factor and row/block order). Never a config value; set it before ``deepspeed.initialize``.
@@ -62,6 +81,11 @@ class GradCompressor:
         self.accumulation_dtype = accumulation_dtype
         self.loss_scale = loss_scale
         self.left_out_bytes = left_out_bytes
+        #: This rank's row (its index among its node peers): summed exact, no residual ([Note: the own row]).
+        self.me = layout.peer_ranks.index(dist.get_rank())
+        #: ds_id -> the clip coefficient of the step that committed its residual (absent: 1), see [Note: residuals
+        #: and clipping].
+        self.clips: dict[int, torch.Tensor] = {}
         self.counters = CompressionCounters()
         self._window_sq: Optional[torch.Tensor] = None  # [sum r^2, sum x^2] of this window's exchanges (device)
         self._step_sq: Optional[torch.Tensor] = None  # the same for the last applied step
@@ -85,26 +109,32 @@ class GradCompressor:
         """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions."""
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
-        scale = self.loss_scale()
+        scale, me, exact_own = self.loss_scale(), self.me, not faults.compression_broken("own_row")
         offset = 0
         for ds_id, p in zip(ds_ids, sizes):
-            residual = self.store.read(ds_id, (self.layout.nodes, p), scale)
+            first = ds_id not in self.store.pending  # the committed residual: scaled by its step's clip coefficient
+            residual = self.store.read(ds_id, (self.layout.nodes - 1, p), scale)
             if residual is not None:
-                x[:, offset:offset + p].add_(residual)
+                if first and ds_id in self.clips:
+                    residual = residual * self.clips[ds_id]
+                x[:me, offset:offset + p].add_(residual[:me])  # the sent rows: every row but ``me``
+                x[me + 1:, offset:offset + p].add_(residual[me:])
             offset += p
         packed = self.codec.encode_rows(x)
-        quantized_sq = x.square().sum()
         # the sender decodes its own bytes; not in place: a codec's packed rows may alias its input (IdentityCodec)
         left = x - self.codec.decode_rows(packed, x.shape[1])
-        self._accumulate(left, quantized_sq)
+        sent = torch.cat([left[:me], left[me + 1:]])  # the own row has no residual ([Note: the own row])
+        self._accumulate(sent, x.square().sum() - x[me].square().sum())
         offset = 0
         for ds_id, p in zip(ds_ids, sizes):
-            self.store.write(ds_id, left[:, offset:offset + p], scale)
+            self.store.write(ds_id, sent[:, offset:offset + p], scale)
             offset += p
         self.store.writes_done()
         recv = torch.empty_like(packed)
         dist.all_to_all_single(recv, packed, group=self.peer_group)
         rows = self.codec.decode_rows(recv, left.shape[1])
+        if exact_own:
+            rows[me] = x[me]  # what this rank sent itself, exact (residual-free: it never had one)
         total = rows[0].clone()
         for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
             total.add_(row)
@@ -117,9 +147,17 @@ class GradCompressor:
         self._window_sq = sq if self._window_sq is None else self._window_sq + sq
 
     # -- the step (called by FCDPStage3, see [Note: residual commit]) ---------------------------------------
-    def commit(self) -> None:
+    def commit(self, clip: Optional[torch.Tensor] = None) -> None:
+        """The step was applied; ``clip``: its clip coefficient ([Note: residuals and clipping])."""
+        ids = list(self.store.pending)
         if self.store.commit():
             self._step_sq, self._window_sq = self._window_sq, None
+            clip = None if faults.compression_broken("clip") else clip
+            for ds_id in ids:
+                if clip is None:
+                    self.clips.pop(ds_id, None)
+                else:
+                    self.clips[ds_id] = clip
 
     def discard(self, skipped: bool) -> None:
         self._window_sq = None
@@ -137,10 +175,19 @@ class GradCompressor:
 
     def save(self) -> dict:
         flat, scales = self.store.snapshot()
-        return {"format": 1, "fingerprint": self.fingerprint(), "residual": flat, "scales": scales}
+        if flat is not None and self.clips:  # what the next window would read ([Note: residuals and clipping])
+            offset = 0  # the snapshot is a fresh tensor
+            for ds_id in sorted(self.store.offsets):  # the snapshot's order
+                numel = self.store.offsets[ds_id][1]
+                if ds_id in self.clips:
+                    value = device.small_to_host(self.clips[ds_id].reshape(1))[0]
+                    flat.narrow(0, offset, numel).mul_(torch.tensor(value, dtype=flat.dtype))
+                offset += numel
+        return {"format": FORMAT, "fingerprint": self.fingerprint(), "residual": flat, "scales": scales}
 
     def load(self, part: Optional[dict]) -> None:
-        if part is not None and part.get("format") == 1 and part.get("fingerprint") == self.fingerprint():
+        self.clips = {}
+        if part is not None and part.get("format") == FORMAT and part.get("fingerprint") == self.fingerprint():
             return self.store.restore(part["residual"], part["scales"])
         self.store.restore(None, [])
         self.counters.bump(zeroed_loads=1)
@@ -178,6 +225,15 @@ class GradCompressor:
             "grad_residual_discards": c.discards,
             "grad_residual_zeroed_loads": c.zeroed_loads,
         }
+
+
+def clip_coefficient(norm: Any, clip_grad: float) -> Optional[torch.Tensor]:
+    """``1 / max(1, (norm + 1e-6) / clip_grad)``, the factor DeepSpeed 0.19.8's ``unscale_and_clip_grads`` applies
+    beyond the loss scale (``norm``: the unscaled global norm, ``_global_grad_norm``), as a tensor on the norm's
+    device; ``None`` without clipping or without a norm tensor."""
+    if not clip_grad > 0 or not isinstance(norm, torch.Tensor):
+        return None
+    return torch.clamp((norm.float() + 1e-6) / clip_grad, min=1.0).reciprocal()
 
 
 def attach_compressor(config: FCDPConfig, plan: GradPlan, reducer: Optional[GradReducer],

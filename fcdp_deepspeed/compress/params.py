@@ -31,7 +31,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, faults
 from fcdp_deepspeed.cache import Placement
 from fcdp_deepspeed.compress.quant import Codec
 from fcdp_deepspeed.compress.reference import CompressionCounters, ReferenceStore, RefState
@@ -138,7 +138,9 @@ class ParamCompression:
         rows, offset = bundle.view(self.nodes, part), 0
         for p in params:
             size, ref = p.ds_tensor.ds_numel, self.store.get(p)
-            if ref is not None:
+            if ref is not None and not p.requires_grad:
+                self.store.mark_frozen(ref)  # [Note: frozen after build] in reference.py
+            elif ref is not None:
                 self.store.write(ref, rows[:, offset:offset + size], lossy=False)
             offset += size
 
@@ -183,6 +185,9 @@ class ParamCompression:
                     errors.append(torch.linalg.vector_norm(recon.narrow(0, 0, n).float() - exact))
                     norms.append(torch.linalg.vector_norm(exact))
                 rows[peer].narrow(0, off, size).copy_(recon)
+        if faults.compression_broken("reconstruction"):  # test of the replica check: this rank's bundle is 1 ulp off
+            bits = {2: torch.int16, 4: torch.int32}[rows.element_size()]
+            rows.view(bits)[0, 0].bitwise_xor_(1)
         for ref, off, size in zip(refs, offsets, sizes):
             self.store.write(ref, rows[:, off:off + size], lossy=True)  # the reconstruction is the new reference
         self.drift.add(torch.stack(errors), torch.stack(norms))

@@ -79,15 +79,24 @@ class Codec:
 
 def hadamard_(blocks: torch.Tensor) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard transform of each row of ``(M, B)`` fp32 ``blocks`` (``B`` a power of two),
-    by butterflies: its own inverse (see [Note: the rotation]). Returns a new tensor."""
+    by butterflies: its own inverse (see [Note: the rotation]). Returns a new tensor.
+
+    [Note: butterfly range] The unnormalized butterflies grow a row by up to ``B`` before the final ``B^-1/2``, so a
+    finite row above ``fp32 max / B`` (~2.7e36 at B = 128) would overflow to inf (NaN after ``inf - inf``). Such
+    rows are scaled by ``2^-log2(B)`` first and back by ``2^log2(B)`` after: powers of two, exact, so every other
+    row gets the same bits as without the guard (no host read: a per-row ``where``)."""
     rows, width = blocks.shape
-    y, h = blocks, 1
+    stages = width.bit_length() - 1
+    big = blocks.abs().amax(dim=1, keepdim=True) > torch.finfo(torch.float32).max / width
+    one = torch.ones_like(big, dtype=blocks.dtype)
+    down = torch.where(big, one * 2.0 ** -stages, one)
+    y, h = blocks * down, 1
     while h < width:
         pairs = y.reshape(rows, width // (2 * h), 2, h)
         low, high = pairs[:, :, 0, :], pairs[:, :, 1, :]
         y = torch.stack((low + high, low - high), dim=2)
         h *= 2
-    return y.reshape(rows, width).mul_(width ** -0.5)
+    return y.reshape(rows, width).mul_(width ** -0.5).mul_(down.reciprocal())
 
 
 def is_power_of_two(n: int) -> bool:

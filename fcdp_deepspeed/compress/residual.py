@@ -5,8 +5,9 @@ For every parameter chunk block a rank sends across nodes, ``x = node_sum + resi
 quantization dropped, ``residual = x - decode(encode(x))`` (the sender decodes its own bytes, as every receiver
 does), is added to the next window's ``x`` before it is quantized. Over K steps the decoded sums then add up to
 the exact sums minus the last residual instead of drifting by K rounding errors (qgZ has no such feedback and
-diverges, DeepSpeed #4886). A residual covers what this rank sends: ``N x P`` fp32 elements per parameter
-(N node peers, ``P = ceil(numel / W)``), 1/L of the trainable parameters per rank.
+diverges, DeepSpeed #4886). A residual covers what this rank sends to other nodes: ``(N - 1) x P`` fp32 elements per
+parameter (N node peers, ``P = ceil(numel / W)``; its own row is summed exact, [Note: the own row] in ``grads.py``),
+(N - 1)/N of 1/L of the trainable parameters per rank.
 
 [Note: residual commit]
 A window's residual becomes the next window's input only if DeepSpeed applies the step. Each covered parameter
@@ -156,7 +157,7 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
     allocation holds both slots. Returns the store and the residual bytes of the parameters left out (their
     gradients cross nodes exact, one warning)."""
     params = sorted(params, key=lambda p: p.ds_id)
-    numels = [layout.nodes * chunk_numel(p.ds_numel, layout.dp_size) for p in params]
+    numels = [(layout.nodes - 1) * chunk_numel(p.ds_numel, layout.dp_size) for p in params]  # the sent rows
     on_device = planner.config.grad_buffer_device == "device"
     budget = max(0, planner.budget_bytes(on_device) - reserved_bytes)
     fits = planner.agree_min(fitting_prefix([SLOTS * n * ELEMENT_BYTES for n in numels], budget))

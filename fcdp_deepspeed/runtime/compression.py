@@ -78,7 +78,8 @@ def build_compression(config: FCDPConfig, topo: Topology, gather: Optional[Hiera
     compression = ParamCompression(codec, store, counters, nodes=topo.num_nodes,
                                    peer_index=gather.layout.peer_ranks.index(me), dp_index=gather.dp_ranks.index(me),
                                    drift=DriftMeter())
-    return compression, ReferenceCheckpoint(store, key, allocation.agree)
+    return compression, ReferenceCheckpoint(store, key, allocation.agree, gather.peer_group,
+                                            gather.layout.peer_ranks.index(me))
 
 
 def _place(store: ReferenceStore, config: FCDPConfig, allocation: Allocation, cache: NodeCache) -> None:

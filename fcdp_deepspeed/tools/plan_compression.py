@@ -11,9 +11,10 @@ against the compressed paths' counters once they run (issue 23):
   node's sum of its chunk to the N - 1 other node peers as ``N - 1`` rows of ``ceil(numel / W)`` values,
   once per optimizer step with ``grad_accumulation: node``;
 - **memory**: references (the trainable parameters' stage-1 bundles the deltas are taken against): 1/L
-  of the trainable parameters per rank in the parameter dtype; error-feedback residuals: 1/L of the
-  trainable parameters per rank in fp32, twice that with fp16 dynamic loss scaling (a pending copy keeps
-  a skipped step from touching them).
+  of the trainable parameters per rank in the parameter dtype; error-feedback residuals: (N - 1)/N of 1/L
+  of the trainable parameters per rank in fp32 (the rows a rank sends; its own row stays exact, [Note: the
+  own row] in ``compress/grads.py``), twice that with fp16 dynamic loss scaling (a pending copy keeps a
+  skipped step from touching them).
 
 Wire bytes per message are :func:`fcdp_deepspeed.compress.wire_bytes`, i.e. the codec's own
 ``wire_numel``: ``ceil(n / block)`` fp32 scales plus the codes of whole blocks (the last one
@@ -50,7 +51,8 @@ def compressed_step(nodes: int, ranks_per_node: int, trainable_numel: float, dty
     grad_stage = messages * sum(wire_bytes(grad_compression, math.ceil(s / w), block, dtype_bytes) for s in sizes)
     per_rank = sum(sizes) / L
     references = per_rank * dtype_bytes if param_compression != "off" else 0.0
-    residuals = per_rank * 4 * (2 if fp16_dynamic_loss_scale else 1) if grad_compression != "off" else 0.0
+    sent = per_rank * (n - 1) / n  # the own row has no residual
+    residuals = sent * 4 * (2 if fp16_dynamic_loss_scale else 1) if grad_compression != "off" else 0.0
     return {"param_stage_bytes": float(param_stage), "grad_stage_bytes": float(grad_stage),
             "total_bytes": float(param_stage + grad_stage), "reference_bytes_per_rank": float(references),
             "residual_bytes_per_rank": float(residuals), "applies": True}

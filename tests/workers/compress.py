@@ -25,6 +25,7 @@ from fcdp_deepspeed.compress import quant
 from fcdp_deepspeed.runtime import compression as rcompression
 from fcdp_deepspeed.tools import toy
 from workers.common import LogCapture, fcdp_block, setup
+from workers.replicas import ReplicaHashes
 
 HIDDEN = 32
 
@@ -40,6 +41,7 @@ class Recorder:
         self.violations: list = []
         self.max_rel = 0.0
         self.seen: set = set()
+        self.replicas = ReplicaHashes(engine.module)  # every call (train, recompute, eval): what each rank computes with
         names = {id(p): n for n, p in engine.module.named_parameters()}
         for module in engine.module.modules():
             own = [(names[id(p)], p) for p in module.parameters(recurse=False)]
@@ -48,6 +50,7 @@ class Recorder:
 
     def next_step(self) -> None:
         self.step += 1
+        self.replicas.step = self.step
         self.seen.clear()
 
     def _hook(self, params, module, inputs) -> None:
@@ -117,27 +120,40 @@ def patched(kind: str):
             setattr(owner, attr, value)
 
 
-def _engine(compression: str = "off", lora_rank: int = 0, seed: int = 0, zero: dict | None = None, **extra):
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _engine(compression: str = "off", lora_rank: int = 0, seed: int = 0, zero: dict | None = None, hidden: int = HIDDEN,
+            dtype: str = "bf16", activation_checkpointing: bool = False, **extra):
     block = fcdp_block(2, param_compression=compression, **extra)
-    cfg = toy.ds_config(block, regime="large", dtype="bf16", **(zero or {}))
-    return toy.build_engine(cfg, hidden=HIDDEN, lora_rank=lora_rank, seed=seed)
+    cfg = toy.ds_config(block, regime="large", dtype=dtype, **(zero or {}))
+    if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    return toy.build_engine(cfg, hidden=hidden, lora_rank=lora_rank, seed=seed,
+                            activation_checkpointing=activation_checkpointing)
 
 
-def _train(engine, rec: Recorder, steps: int, seed: int = 0, per_step=None) -> dict:
-    """``steps`` optimizer steps (GA 1), stats after each; ``per_step(engine, step)`` runs before a step."""
+def _train(engine, rec: Recorder, steps: int, seed: int = 0, per_step=None, evaluate: bool = False) -> dict:
+    """``steps`` optimizer steps (GA 1), stats after each; ``per_step(engine, step)`` runs before a step;
+    ``evaluate``: an eval forward after each step."""
     losses, stats = [], []
+    hidden = engine.module.inp.in_features
+    dtype = next(engine.module.parameters()).dtype
     for i in range(steps):
         if per_step is not None:
             per_step(engine, i)
         rec.next_step()
-        res = toy.train(engine, 1, hidden=HIDDEN, seed=seed * 1000 + i, dtype=torch.bfloat16)
+        res = toy.train(engine, 1, hidden=hidden, seed=seed * 1000 + i, dtype=dtype)
         losses += res.losses
-        stats.append(res.stats)
+        if evaluate:
+            toy.evaluate(engine, toy.batch(99, 4, hidden)[0].to(dtype))
+        stats.append(fcdp_deepspeed.get_stats(engine))
     return {"losses": losses, "stats": stats}
 
 
 def _result(engine, rec: Recorder, run: dict, weights: bool = True) -> dict:
-    run.update(hashes=rec.hashes, violations=rec.violations, max_rel=rec.max_rel)
+    run.update(hashes=rec.hashes, violations=rec.violations, max_rel=rec.max_rel, replicas=rec.replicas.hashes)
     if weights:
         gathered = toy.gather_weights(engine)  # collective; exact (DeepSpeed's flat gather of ds_tensor)
         run["weights"] = gathered if dist.get_rank() == 0 else {}
@@ -145,12 +161,24 @@ def _result(engine, rec: Recorder, run: dict, weights: bool = True) -> dict:
 
 
 def run(name: str, compression: str = "off", steps: int = 4, kind: str = "", qmax: int = 0, lora_rank: int = 0,
-        per_step=None, weights: bool = True, **extra) -> dict:
-    with patched(kind):
-        engine = _engine(compression, lora_rank=lora_rank, **extra)
-        rec = Recorder(engine, qmax=qmax, block=extra.get("compression_block", 128))
-        out = _train(engine, rec, steps, per_step=per_step)
-        return _result(engine, rec, out, weights)
+        per_step=None, weights: bool = True, evaluate: bool = False, broken: str = "", **extra) -> dict:
+    """One engine's run; ``broken``: ``FCDP_BREAK_COMPRESSION`` while it runs (``fcdp_deepspeed/faults.py``)."""
+    if broken:
+        os.environ[faults.COMPRESSION_ENV] = broken
+    try:
+        with patched(kind):
+            engine = _engine(compression, lora_rank=lora_rank, **extra)
+            rec = Recorder(engine, qmax=qmax, block=extra.get("compression_block", 128))
+            out = _train(engine, rec, steps, per_step=per_step, evaluate=evaluate)
+            return _result(engine, rec, out, weights)
+    finally:
+        os.environ.pop(faults.COMPRESSION_ENV, None)
+
+
+def _freeze_after_build(engine, step: int) -> None:
+    """Before step index 1: a slotted weight is frozen (the optimizer still owns it: gathered exactly every step)."""
+    if step == 1:
+        engine.module.blocks[0].fc.weight.requires_grad = False
 
 
 def _events(engine, step: int) -> None:
@@ -193,15 +221,22 @@ def checkpoints(ckpt_dir: str, steps: int = 2) -> dict:
     engine.save_checkpoint(ckpt_dir, tag="int8")
     engine.save_16bit_model(ckpt_dir, "int8_16bit.bin")  # consolidation keeps the references (the resume compares)
     out["uninterrupted"] = _result(engine, rec, _train(engine, rec, steps, seed=5))
+    out["saved_shares"] = _saved_shares(engine, os.path.join(ckpt_dir, "int8"))
     plain = _engine("off")
     _train(plain, Recorder(plain), 1)
     plain.save_checkpoint(ckpt_dir, tag="off")
-    for name, tag, extra in (("resumed", "int8", {}), ("from_off", "off", {}), ("other_block", "int8", {"compression_block": 64})):
-        fresh = _engine("int8", seed=77, **extra)
-        fresh.load_checkpoint(ckpt_dir, tag=tag)
+    for name, tag, extra in (("resumed", "int8", {}), ("from_off", "off", {}), ("other_block", "int8", {"compression_block": 64}),
+                             ("resumed_wrong_share", "int8", {})):
+        if name == "resumed_wrong_share":  # the broken variant: bundles rebuilt from the wrong peers' rows
+            os.environ[faults.COMPRESSION_ENV] = "share"
+        try:
+            fresh = _engine("int8", seed=77, **extra)
+            fresh.load_checkpoint(ckpt_dir, tag=tag)
+        finally:
+            os.environ.pop(faults.COMPRESSION_ENV, None)
         rec = Recorder(fresh)
-        out[name] = _result(fresh, rec, _train(fresh, rec, steps if name == "resumed" else 1, seed=5),
-                            weights=name == "resumed")
+        out[name] = _result(fresh, rec, _train(fresh, rec, steps if name.startswith("resumed") else 1, seed=5),
+                            weights=name.startswith("resumed"))
     return out
 
 
@@ -253,6 +288,16 @@ def exact_eval(ckpt_dir: str) -> dict:
     return out
 
 
+def _saved_shares(engine, tag_dir: str) -> dict:
+    """Per saved reference of this rank's optimizer state file: ``(saved elements, partition elements)``."""
+    import glob
+    rank = dist.get_rank()
+    path, = glob.glob(os.path.join(tag_dir, f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+    state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    part = state["fcdp_compression"]["params"]
+    return {name: (ref["values"].numel(), ref["partition_numel"], ref["nodes"]) for name, ref in part["references"].items()}
+
+
 def suite(ckpt_dir: str) -> dict:
     """Every scenario of test_compress_params.py in one launch (the runs are sequential, each a fresh engine)."""
     setup(2)
@@ -274,6 +319,18 @@ def suite(ckpt_dir: str) -> dict:
         # the owner's partition is on the host: copied to the accelerator on the issuing stream, as for exact gathers
         "offload": run("offload", "int8", steps=3, qmax=127, weights=False,
                        zero={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+        # issue 33: one rank's reconstruction 1 ulp off (the replica check must catch it)
+        "broken_replica": run("broken_replica", "int8", steps=2, weights=False, broken="reconstruction@1"),
+        "frozen": run("frozen", "int8", steps=3, per_step=_freeze_after_build, weights=False),
+        # 33 x 33 weights: 1089 elements, not a multiple of the 4 ranks (padded partition tails), 33-element biases
+        "padded": run("padded", "int8", steps=3, qmax=127, weights=False, hidden=33),
+        "fp32": run("fp32", "int8", steps=3, qmax=127, weights=False, dtype="fp32"),
+        "fp16": run("fp16", "int4", steps=3, qmax=7, weights=False, dtype="fp16"),
+        # eval forwards and activation-checkpointing recomputes gather under compression too
+        "recompute_eval": run("recompute_eval", "int8", steps=3, qmax=127, weights=False, evaluate=True,
+                              activation_checkpointing=True),
+        # nothing cached (min_numel above every parameter): forward, backward and eval each gather every step
+        "uncached": run("uncached", "int8", steps=3, weights=False, evaluate=True, min_numel=4096),
     }
     out["no_room"] = _no_room(logs)
     out.update(checkpoints(ckpt_dir))

@@ -15,6 +15,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.compress import IdentityCodec
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.residual import ResidualStore
@@ -22,15 +23,17 @@ from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
+from workers.replicas import ReplicaHashes
 
 BLOCK = 128
 
 
 class WrongScale(IdentityCodec):
-    """Decodes 1 + 2^-7 times what was encoded (a scale that does not match the sender's)."""
+    """Decodes 1 + 2^-6 times what was encoded (a scale that does not match the sender's; since issue 33 the own
+    row is not decoded, so it reaches half the sum at 2 nodes: 2^-6 rather than 2^-7 keeps it as far off)."""
 
     def decode_rows(self, packed, numel):
-        return super().decode_rows(packed, numel) * (1 + 2**-7)
+        return super().decode_rows(packed, numel) * (1 + 2**-6)
 
 
 class RowsReversed(IdentityCodec):
@@ -100,16 +103,27 @@ def rank0(weights: dict) -> dict:
     return weights if dist.get_rank() == 0 else {}
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def config(sc: dict) -> dict:
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})}
-    cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), **sc.get("zero", {}))
+    dtype = sc.get("dtype", "fp32")
+    if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+    cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), dtype=dtype,
+                        **sc.get("zero", {}))
+    if sc.get("clip"):
+        cfg["gradient_clipping"] = sc["clip"]
     return cfg
 
 
 def residual(engine) -> torch.Tensor:
-    """This rank's committed residuals, flat (zeros before any was written)."""
-    store = engine.optimizer.fcdp_grads.comm.compressor.store
-    flat, _ = store.snapshot()
+    """This rank's committed residuals as the next window reads them (times their clip coefficient, as a checkpoint
+    saves them), flat (zeros before any was written)."""
+    compressor = engine.optimizer.fcdp_grads.comm.compressor
+    store, flat = compressor.store, compressor.save()["residual"]
     total = sum(n for _, n in store.offsets.values())
     return torch.zeros(total) if flat is None else flat.float().clone()
 
@@ -146,9 +160,11 @@ def peer_residuals(engine) -> torch.Tensor:
         total = torch.zeros(own, dtype=torch.float64)
         if store.covers(p.ds_id):
             offset, numel = store.offsets[p.ds_id]
-            for sender in layout.peer_ranks:
-                rows = every[sender].narrow(0, offset, numel).view(layout.nodes, numel // layout.nodes)
-                total += rows[row, :own].double()
+            for index, sender in enumerate(layout.peer_ranks):
+                if index == row:  # a rank's own row crosses nothing and has no residual ([Note: the own row])
+                    continue
+                rows = every[sender].narrow(0, offset, numel).view(layout.nodes - 1, numel // (layout.nodes - 1))
+                total += rows[row if row < index else row - 1, :own].double()
         out.append(total)
     return torch.cat(out)
 
@@ -172,19 +188,23 @@ def model_hash(engine) -> str:
     return h.hexdigest()
 
 
-def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
+def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None,
+          replicas: Optional[ReplicaHashes] = None) -> dict:
     """Optimizer steps with per-step stats; optionally the partitions at each boundary and the residual after each
-    step."""
+    step. ``sc["spike"] = {step: factor}`` multiplies that step's loss (a gradient spike)."""
     ga, hidden = engine.gradient_accumulation_steps(), 32
+    dtype = DTYPES[sc.get("dtype", "fp32")]
     out: dict = {"losses": [], "stats": [], "grads": [], "residuals": []}
     micro = 0
     for step in range(sc.get("steps", 3) if steps is None else steps):
+        if replicas is not None:
+            replicas.step = step
         for k in range(ga):
             if k == 1 and step in sc.get("mid_window", {}):  # after the window's first micro-step
                 checkpoint_event(engine, sc["mid_window"][step], sc["ckpt_dir"])
             x, y = toy.batch(micro, engine.train_micro_batch_size_per_gpu(), hidden, seed)
-            loss = F.mse_loss(engine(x, **grad_workers.gate(sc, micro)), y)
-            engine.backward(loss)
+            loss = F.mse_loss(engine(x.to(dtype), **grad_workers.gate(sc, micro)).float(), y)
+            engine.backward(loss * sc.get("spike", {}).get(step, 1.0))
             if sc.get("record_grads") and engine.is_gradient_accumulation_boundary():
                 out["grads"].append(partitions(engine))
             engine.step()
@@ -199,6 +219,8 @@ def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None) -> dict:
 def run(sc: dict) -> dict:
     if sc.get("fault"):
         os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
+    if sc.get("broken"):
+        os.environ[faults.COMPRESSION_ENV] = sc["broken"]  # read at every use (fcdp_deepspeed/faults.py)
     with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")):
         try:
             engine = grad_workers.build(sc, config(sc))
@@ -206,7 +228,12 @@ def run(sc: dict) -> dict:
             os.environ.pop("FCDP_INJECT_FAULT", None)
         if sc.get("overflow_at"):
             grad_workers.inject_overflow(engine, sc["overflow_at"])
-        res = train(engine, sc)
+        replicas = ReplicaHashes(engine.module)
+        try:
+            res = train(engine, sc, replicas=replicas)
+        finally:
+            os.environ.pop(faults.COMPRESSION_ENV, None)
+    res["replicas"] = replicas.hashes
     res["skipped_steps"] = engine.skipped_steps
     if sc.get("record_invariant"):
         res["peer_residuals"] = peer_residuals(engine)
@@ -222,7 +249,9 @@ def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
     train(engine, sc, steps=2)
     engine.save_checkpoint(ckpt_dir, tag="int8")
     saved = residual(engine)
-    out = {"saved_residual": saved, "continued": train(engine, sc, seed=5, steps=2)}
+    clips = engine.optimizer.fcdp_grads.comm.compressor.clips
+    out = {"saved_residual": saved, "saved_clips": [float(c) for c in clips.values()],
+           "continued": train(engine, sc, seed=5, steps=2)}
     out["continued"]["weights"] = rank0(toy.gather_weights(engine))  # collective: every rank gathers
     fresh = toy.build_engine(config(sc), seed=99)  # another init: the load must overwrite everything
     fresh.load_checkpoint(ckpt_dir, tag="int8")
