@@ -31,7 +31,7 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedP
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import device, faults
-from fcdp_deepspeed.memory import pinned_cost
+from fcdp_deepspeed.memory import chunk_groups, chunks_cost, pinned_cost  # noqa: F401  (chunk_groups: re-exported)
 from fcdp_deepspeed.stats import CacheCounters
 
 
@@ -81,30 +81,6 @@ class CacheEntry:
 #: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
 #: A power of two: a full pinned chunk costs exactly its size (see ``memory.pinned_cost``).
 CHUNK_BYTES = 256 * 2**20
-
-
-def chunk_groups(nbytes: list[int], chunk_bytes: int, pinned: bool = False) -> list[list[int]]:
-    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``.
-
-    A larger slot opens a chunk of its own, which costs ``pinned_cost`` of it (pinned: up to 2x): the slots
-    after it fill what that rounding pays for anyway, so a large slot wastes at most the rest of the pool's
-    tail. (A slot is one tensor, DeepSpeed's secondary, so it cannot span chunks.)"""
-    chunks: list[list[int]] = []
-    used = capacity = 0
-    for i, n in enumerate(nbytes):
-        if chunks and used + n <= capacity:
-            chunks[-1].append(i)
-            used += n
-        else:
-            chunks.append([i])
-            used, capacity = n, max(chunk_bytes, pinned_cost(n, pinned))
-    return chunks
-
-
-def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
-    """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
-    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned)
-               for chunk in chunk_groups(nbytes, chunk_bytes, pinned))
 
 
 class SlotPool:

@@ -154,6 +154,8 @@ class Record:
     uses: dict = field(default_factory=dict)  # stream -> last access (the free check)
     recorded: set = field(default_factory=set)  # streams record_stream-ed
     alloc_site: Site = ("other", "?")
+    #: A DeepSpeed collective's output ([Note: DeepSpeed's gathered parameters]): only FCDP's uses are checked at free.
+    adopted: bool = False
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -320,6 +322,8 @@ class StreamModel(StreamClocks):
         """A door allocation's last view died: the caching allocator may hand it to new work on its stream."""
         for s, use in rec.uses.items():
             if s is rec.alloc or s.comm or s in rec.recorded or self.ordered(rec.alloc, use) or self.ordered(self.host, use):
+                continue
+            if rec.adopted and not use.fcdp:  # DeepSpeed's memory, DeepSpeed's use
                 continue
             owner, site = call_site(2)
             self.fail(f"{rec.label} (allocated {_where(Access(rec.alloc, 0, rec.alloc_site))}) was freed at {site} while "
@@ -542,6 +546,18 @@ def _comm_stream(group: Any) -> FakeStream:
     return s
 
 
+def _adopt_outputs(spans: list, issuing: FakeStream, site: Site) -> None:
+    """[Note: DeepSpeed's gathered parameters] DeepSpeed's collectives write memory FCDP did not allocate (the
+    gathered ``param.data`` that the release hook copies into a cache slot, on FCDP's fill stream): its outputs
+    are tracked from here, allocated on the issuing stream, so an FCDP stream reading them unordered, or a free
+    while an FCDP stream still reads them without ``record_stream``, is reported. DeepSpeed's own later accesses
+    stay DeepSpeed's to order (:meth:`StreamModel._fcdps`)."""
+    for storage, _, _ in spans:
+        if storage not in MODEL.records:
+            rec = MODEL.records[storage] = Record(label="gathered tensor", alloc=issuing, alloc_site=site, adopted=True)
+            weakref.finalize(storage, MODEL.freed, rec)
+
+
 def modeled_collective(method: str, bound: dict, call: Callable[[], Any]) -> Any:
     """Run a ``deepspeed.comm`` backend collective on its group's fake stream (see the note above)."""
     issuing = MODEL.current()
@@ -552,8 +568,11 @@ def modeled_collective(method: str, bound: dict, call: Callable[[], Any]) -> Any
         written = name in _OUTPUTS or (method in _IN_PLACE and name in ("tensor", "tensors"))
         (writes if written else reads).extend(_tensors_of(value))
     site = call_site(2)
+    fcdp = site[0] == "fcdp" or MODEL.in_fcdp_context()
     with torch._C.DisableTorchFunctionSubclass():
-        MODEL.access(comm, _spans(reads), _spans(writes), site, site[0] == "fcdp" or MODEL.in_fcdp_context())
+        if not fcdp:
+            _adopt_outputs(_spans(writes), issuing, site)
+        MODEL.access(comm, _spans(reads), _spans(writes), site, fcdp)
     with paused():
         work = call()
     event = comm.record_event()

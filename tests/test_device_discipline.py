@@ -50,7 +50,13 @@ SITE = r"[\w/.]+:\d+ \w+ \(position \d+\)"
 ORDERINGS = {
     # the staged copy (copy stream) waits for the fill's event (releasing stream)
     "fill_ready": (r"read of pinned host memory on stream 'fcdp_param_h2d' at fcdp_deepspeed/cache.py:\d+ staged .* is "
-                   r"not ordered after its write on stream '(default|ds_allgather)' at fcdp_deepspeed/cache.py:\d+ _fill"),
+                   r"not ordered after its write on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill"),
+    # the fill (its own stream, off the compute stream) waits for the releasing stream: the gathered values
+    "fill_producer": (r"read of gathered tensor on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill .* is not "
+                      r"ordered after its write on stream 'collectives\([\d, ]+\)' at [\w/.]+:\d+ \w+"),
+    # the gathered source is record_stream-ed on the fill stream before DeepSpeed frees it
+    "fill_record_stream": (r"gathered tensor \(allocated on stream '\w+' at [\w/.]+:\d+ \w+ .*\) was freed at .* while "
+                           r"its use on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill"),
     # the all-gather stream waits for the staged copies' event
     "staged_event": (r"read of accelerator copy of host memory on stream 'ds_allgather' at zero/partition_parameters.py:\d+ "
                      r"_all_gather_dtype .* is not ordered after its write on stream 'fcdp_param_h2d' at "

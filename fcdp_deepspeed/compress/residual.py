@@ -40,7 +40,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, faults
+from fcdp_deepspeed import device, faults, memory
 from fcdp_deepspeed.grads.buffer import BufferPlanner, fitting_prefix
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
 from fcdp_deepspeed.stats import fmt_bytes
@@ -155,7 +155,9 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
     params = sorted(params, key=lambda p: p.ds_id)
     numels = [layout.nodes * chunk_numel(p.ds_numel, layout.dp_size) for p in params]
     on_device = planner.config.grad_buffer_device == "device"
-    budget = max(0, planner.budget_bytes(on_device) - reserved_bytes)
+    # one allocation: a pinned one costs its power-of-two rounding (the node buffer's chunks do not, grads/buffer.py)
+    budget = memory.pinned_capacity(max(0, planner.budget_bytes(on_device) - reserved_bytes),
+                                    pin and not on_device and device.pins_host_memory())
     fits = planner.agree_min(fitting_prefix([SLOTS * n * ELEMENT_BYTES for n in numels], budget))
     total = sum(numels[:fits])
     flat = _allocate(SLOTS * total, on_device, pin) if fits else None

@@ -154,6 +154,10 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
             entry.ready = None
 
         patches.set(NodeCache, "_fill", _fill)
+    elif kind == "fill_producer":  # the fill stream does not wait for the releasing stream (the gathered values)
+        patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_fill") else wait_event(ev))
+    elif kind == "fill_record_stream":  # the gathered source freed without record_stream on the fill stream
+        patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_fill") else record_stream(t))
     elif kind == "staged_event":  # the all-gather stream does not wait for the staged copies
         patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_param_h2d" and not _stream_named(
             "fcdp_param_h2d") else wait_event(ev))
