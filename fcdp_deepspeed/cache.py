@@ -379,6 +379,7 @@ class NodeCache:
                     else:
                         slot.narrow(0, 0, n).copy_(src)  # same device, on the fill stream
                         device.record_stream(src)
+                        device.record_stream(slot)  # the pool's chunk, allocated on another stream, written here
             entry.ready = device.record_event()
         tag_secondary(slot, entry.slot_numel)
         if self.checksums:  # verify (a debug mode): the host reads the slot, so it waits for the copy

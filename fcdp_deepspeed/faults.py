@@ -13,6 +13,10 @@ tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): 
 ``requires_grad`` (the step end's rule for parameters that require grad now, e.g. unfrozen ones),
 ``checkpoint`` (the flush on checkpoint events), ``refresh`` (``partition(has_been_updated=True)``
 leaves a filled slot as it was).
+
+``FCDP_FORCE_REDUCE_SCATTER=1`` (test-only) makes the gradient stages reduce-scatter with
+``reduce_scatter_tensor``, NCCL's branch, on gloo too, where they otherwise take all-to-all + a local sum:
+the only way that branch runs above one rank without a GPU.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 
 FAULT_ENV = "FCDP_INJECT_FAULT"
 BREAK_ENV = "FCDP_BREAK_INVALIDATION"
+FORCE_REDUCE_SCATTER_ENV = "FCDP_FORCE_REDUCE_SCATTER"
 INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh")
 
 
@@ -58,3 +63,8 @@ def invalidation_broken(path: str) -> bool:
     if unknown:
         raise ValueError(f"{BREAK_ENV}: unknown invalidation path(s) {sorted(unknown)}; known: {INVALIDATION_PATHS}")
     return path in named
+
+
+def reduce_scatter_forced() -> bool:
+    """Whether ``FCDP_FORCE_REDUCE_SCATTER=1`` (test-only; read when a reducer is built)."""
+    return os.environ.get(FORCE_REDUCE_SCATTER_ENV, "") == "1"

@@ -273,12 +273,14 @@ class StreamModel(StreamClocks):
         if rec is not None:
             rec.label = label
 
-    def _fcdps(self, rec: Record, earlier: Access, s: FakeStream) -> bool:
-        """Whether a conflict is FCDP's to order: its memory, its earlier access, or its own stream now.
+    def _fcdps(self, rec: Record, earlier: Access, now: Access) -> bool:
+        """Whether a conflict is FCDP's to order: its memory, its earlier access, its own stream now, or its access
+        now (FCDP's code: e.g. the two-stage gather's copies of the optimizer-written ``ds_tensor``, which wait for
+        the step's event, [Note: the optimizer's writes] in runtime/gather.py).
         [Note: DeepSpeed's own orderings] are DeepSpeed's: e.g. in 0.19.8 the optimizer's writes to ``ds_tensor``
-        and the next forward's gathers on the all-gather stream are ordered only by the throughput timer's
-        device synchronize, which starts at step 2."""
-        return rec.door or earlier.fcdp or s.fcdp
+        and the next forward's gathers on the all-gather stream (DeepSpeed's own, for its flat path) are ordered
+        only by the throughput timer's device synchronize, which starts at step 2."""
+        return rec.door or earlier.fcdp or now.stream.fcdp or now.fcdp
 
     def access(self, s: FakeStream, reads: Iterable[tuple], writes: Iterable[tuple], site: Site,
                fcdp: bool = False) -> None:
@@ -295,7 +297,7 @@ class StreamModel(StreamClocks):
                 if span.end <= a or span.start >= b:
                     keep.append(span)
                     continue
-                if (span.write or write) and not self.ordered(s, span.acc) and self._fcdps(rec, span.acc, s):
+                if (span.write or write) and not self.ordered(s, span.acc) and self._fcdps(rec, span.acc, now):
                     self.fail(self._conflict(rec, now, write, span))
                 superseded = write and a <= span.start and span.end <= b
                 repeated = not write and not span.write and span.acc.stream is s and (span.start, span.end) == (a, b)

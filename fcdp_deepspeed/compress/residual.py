@@ -50,6 +50,24 @@ ELEMENT_BYTES = 4
 SLOTS = 2
 
 
+#: [Note: residual copies] Host residual slots cross PCIe on FCDP's own stream, as the node gradient buffer's round
+#: trip does (grads/buffer.py), not on DeepSpeed's reduce stream, whose reduce-scatters would queue behind them. A
+#: write waits for an event after the value (reduce stream); a read's device copy is waited for by the reduce
+#: stream through an event and ``record_stream``-ed there. Reads and writes of one slot stay in order on the one
+#: residual stream; host readers (checkpoints) wait on ``written``, recorded there.
+STREAM = "grad_residual"
+
+
+def _host_to_accel(slot: torch.Tensor) -> torch.Tensor:
+    """``slot`` (pinned host) on the accelerator for the current (reduce) stream, copied on the residual stream."""
+    with device.stream(device.side_stream(STREAM)):
+        residual = device.to_accel(slot)
+        copied = device.record_event()
+    device.wait_event(copied)
+    device.record_stream(residual)  # allocated on the residual stream, read on this one
+    return residual
+
+
 @dataclass
 class ResidualStore:
     """One rank's error-feedback residuals: two fp32 slots per covered parameter (see [Note: residual commit])."""
@@ -79,7 +97,7 @@ class ResidualStore:
         if recorded is None:
             return None
         slot = self._slot(ds_id, index).view(shape)
-        residual = device.to_accel(slot) if self.device == "host" else slot
+        residual = _host_to_accel(slot) if self.device == "host" else slot
         return residual * (loss_scale / recorded) if loss_scale != recorded else residual
 
     def write(self, ds_id: int, value: torch.Tensor, loss_scale: float) -> None:
@@ -89,13 +107,17 @@ class ResidualStore:
             self.pending[ds_id] = loss_scale
         slot = self._slot(ds_id, index).view(value.shape)
         if self.device == "host":
-            device.to_host(value, out=slot)
+            produced = device.record_event()  # on the reduce stream: the value exists
+            with device.stream(device.side_stream(STREAM)):  # [Note: residual copies]
+                device.wait_event(produced)
+                device.to_host(value, out=slot)  # the door record_streams ``value`` on this stream
         else:
             slot.copy_(value)
 
     def writes_done(self) -> None:
         if self.device == "host":
-            self.written = device.record_event()
+            with device.stream(device.side_stream(STREAM)):
+                self.written = device.record_event()
 
     def commit(self) -> int:
         """The step was applied: pending residuals become the committed ones (an index flip). Returns how many."""

@@ -158,6 +158,14 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
         patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_fill") else wait_event(ev))
     elif kind == "fill_record_stream":  # the gathered source freed without record_stream on the fill stream
         patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_fill") else record_stream(t))
+    elif kind == "optimizer_event":  # the two-stage gather's partition copies do not wait for the optimizer step
+        from fcdp_deepspeed.runtime.gather import HierarchicalGather
+        patches.set(HierarchicalGather, "stepped", property(lambda self: None, lambda self, value: None))
+    elif kind == "residual_ready":  # the reduce stream does not wait for a residual's copy to the accelerator
+        patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_grad_residual" and not _stream_named(
+            "fcdp_grad_residual") else wait_event(ev))
+    elif kind == "residual_value":  # the residual stream does not wait for the new residual (reduce stream)
+        patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_grad_residual") else wait_event(ev))
     elif kind == "staged_event":  # the all-gather stream does not wait for the staged copies
         patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_param_h2d" and not _stream_named(
             "fcdp_param_h2d") else wait_event(ev))
