@@ -162,9 +162,39 @@ def init_fake_world(res: CaseResult) -> None:
     get_accelerator().set_device(0)
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     deepspeed.init_distributed()
+    zero_reduction_outputs()
     res.check("deepspeed.init_distributed adopts the fake group",
               dist.get_world_size() == 4 and tdist.get_backend() == "fake",
               f"world {dist.get_world_size()}, backend {tdist.get_backend()}")
+
+
+#: The reductions whose output a fake group leaves as allocated: (method, name of the output argument).
+_REDUCTIONS = (("reduce_scatter_tensor", "output_tensor"), ("reduce_scatter", "output"), ("all_to_all_single", "output"))
+
+
+def zero_reduction_outputs() -> None:
+    """[Note: finite gradients in a fake world] A fake group moves no data: a reduce-scatter's output keeps whatever
+    the allocator handed out, and inf or NaN there made DeepSpeed skip optimizer steps (seen in the dry run:
+    steps skipped, so the next step was all hits with nothing refilled, and case b measured no refilling step).
+    The gradient path's reductions get a zeroed output (one memset on the issuing stream each, no host wait);
+    in-place all-reduces keep this rank's own value, which is what FCDP's agreements need (every rank of the
+    fake world would send the same). Gathers are left alone (parameter values are meaningless anyway)."""
+    from deepspeed.comm import comm as ds_comm
+    backend = ds_comm.cdb
+    for method, out_name in _REDUCTIONS:
+        original = getattr(backend, method, None)
+        if original is None or getattr(original, "_fcdp_zeroed", False):
+            continue
+
+        def zeroed(*args, _original=original, _name=out_name, **kwargs):
+            work = _original(*args, **kwargs)
+            out = args[0] if args else kwargs.get(_name)
+            if isinstance(out, torch.Tensor):
+                out.zero_()
+            return work
+
+        zeroed._fcdp_zeroed = True  # type: ignore[attr-defined]
+        setattr(backend, method, zeroed)
 
 
 def spans_nodes(group) -> bool:
