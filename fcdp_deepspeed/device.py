@@ -64,27 +64,15 @@ class Door:
 
     def pin_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Pinned host memory, allocated page-locked directly (never a pageable buffer copied into a pinned
-        one); plain host memory where the accelerator cannot pin, e.g. the CPU.
-
-        [Note: pinning before DeepSpeed 0.19] ``get_accelerator().pin_empty`` is new in 0.19 (it honours
-        ``DS_PIN_MEMORY_BACKEND=native``); 0.16-0.18's accelerators have only ``pin_memory(tensor)``, which
-        copies a pageable buffer. There the door allocates page-locked memory with torch itself
-        (:meth:`torch_pinned_empty`), which is what 0.19's CUDA accelerator does without the native backend."""
+        one); plain host memory where the accelerator cannot pin, e.g. the CPU. See :func:`pin_path`."""
         if not self.pins_host_memory():
             return self.host_empty(numel, dtype)
-        if self.pin_path() == "accelerator":
+        if pin_path() == "accelerator":
             return get_accelerator().pin_empty(numel, dtype=dtype)
         return self.torch_pinned_empty(numel, dtype)
 
-    @staticmethod
-    def pin_path() -> str:
-        """Which allocator :meth:`pin_empty` uses where memory is pinned: ``"accelerator"`` (DeepSpeed >= 0.19's
-        ``pin_empty``) or ``"torch"`` (``torch.empty(..., pin_memory=True)``)."""
-        return "accelerator" if callable(getattr(get_accelerator(), "pin_empty", None)) else "torch"
-
     def torch_pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory from torch's caching host allocator (a CPU-only torch has none: it raises
-        ``RuntimeError``, which the allocation fallbacks catch)."""
+        """From torch's caching host allocator (a CPU-only torch has none: ``RuntimeError``, caught by the pools)."""
         return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)
 
     def accel_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -242,7 +230,14 @@ def pin_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pin_path() -> str:
-    return _DOOR.pin_path()
+    """Which allocator :meth:`Door.pin_empty` uses where memory is pinned: ``"accelerator"`` (DeepSpeed >= 0.19's
+    ``pin_empty``) or ``"torch"`` (``torch.empty(..., pin_memory=True)``).
+
+    [Note: pinning before DeepSpeed 0.19] ``get_accelerator().pin_empty`` is new in 0.19 (it honours
+    ``DS_PIN_MEMORY_BACKEND=native``); 0.16-0.18's accelerators have only ``pin_memory(tensor)``, which copies a
+    pageable buffer. There the door allocates page-locked memory with torch itself
+    (:meth:`Door.torch_pinned_empty`), what 0.19's CUDA accelerator does without the native backend."""
+    return "accelerator" if callable(getattr(get_accelerator(), "pin_empty", None)) else "torch"
 
 
 def accel_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
