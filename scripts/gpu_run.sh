@@ -25,10 +25,11 @@ $py -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.
 rc=$?
 echo "install rc=$rc (numpy from the bundle: ${#extra[@]}) in $((SECONDS - start)) s" >> "$out/env.txt"
 [[ $rc -eq 0 ]] || { tail -20 "$out/install.log" >&2; exit 3; }
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# The working tree first: the check and every rank it starts run this checkout's code, not a wheel built earlier.
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 # DeepSpeed JIT-builds ops into this folder if anything asks for one (the check uses torch's Adam: nothing should).
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions PYTHONUNBUFFERED=1
-$py -c "import deepspeed, fcdp_deepspeed, pydantic, hjson; print('deepspeed', deepspeed.__version__, '| fcdp', fcdp_deepspeed.__version__, '| accelerator', deepspeed.get_accelerator().device_name())" >> "$out/env.txt" 2>&1
+$py -c "import deepspeed, fcdp_deepspeed, pydantic, hjson; print('deepspeed', deepspeed.__version__, '| fcdp', fcdp_deepspeed.__version__, fcdp_deepspeed.__file__, '| accelerator', deepspeed.get_accelerator().device_name())" >> "$out/env.txt" 2>&1
 timeout -k 10 "$budget" $py scripts/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
 rc=$?
 echo "gpu_check rc=$rc in $((SECONDS - start)) s (budget ${budget} s; 124: timed out)" | tee -a "$out/env.txt"
