@@ -31,7 +31,7 @@ from deepspeed.runtime.swap_tensor.partitioned_param_swapper import PartitionedP
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import device, faults
-from fcdp_deepspeed.memory import pinned_cost
+from fcdp_deepspeed.memory import chunk_groups, chunks_cost, pinned_cost  # noqa: F401  (chunk_groups: re-exported)
 from fcdp_deepspeed.stats import CacheCounters
 
 
@@ -81,30 +81,6 @@ class CacheEntry:
 #: Pools are carved into chunks of at most this size so an allocation failure costs a chunk, not all.
 #: A power of two: a full pinned chunk costs exactly its size (see ``memory.pinned_cost``).
 CHUNK_BYTES = 256 * 2**20
-
-
-def chunk_groups(nbytes: list[int], chunk_bytes: int, pinned: bool = False) -> list[list[int]]:
-    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``.
-
-    A larger slot opens a chunk of its own, which costs ``pinned_cost`` of it (pinned: up to 2x): the slots
-    after it fill what that rounding pays for anyway, so a large slot wastes at most the rest of the pool's
-    tail. (A slot is one tensor, DeepSpeed's secondary, so it cannot span chunks.)"""
-    chunks: list[list[int]] = []
-    used = capacity = 0
-    for i, n in enumerate(nbytes):
-        if chunks and used + n <= capacity:
-            chunks[-1].append(i)
-            used += n
-        else:
-            chunks.append([i])
-            used, capacity = n, max(chunk_bytes, pinned_cost(n, pinned))
-    return chunks
-
-
-def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
-    """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
-    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned)
-               for chunk in chunk_groups(nbytes, chunk_bytes, pinned))
 
 
 class SlotPool:
@@ -243,7 +219,7 @@ class SlotCopies:
 
         [Note: staged copies] Called while DeepSpeed issues a gather, i.e. on its all-gather stream. The
         copies run on FCDP's own copy stream (``device.side_stream("param_h2d")``): each first waits for its
-        slot's fill (``entry.ready``: fills are asynchronous copies on the releasing stream), then copies
+        slot's fill (``entry.ready``: fills are asynchronous copies on the fill stream), then copies
         from the pinned pool; the all-gather stream waits for one event after the batch, right before the
         gather that reads them. So hit copies never queue ahead of other gathers on the all-gather stream
         (prefetches issue many), and they overlap compute and the other direction's copies. The device
@@ -370,25 +346,41 @@ class NodeCache:
             self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED)
 
     def _fill(self, entry: CacheEntry, refresh: bool) -> None:
-        """Copy this rank's slice of the gathered parameter into the slot, asynchronously.
+        """Copy this rank's slice of the gathered parameter into the slot, asynchronously, off the compute stream.
 
-        [Note: asynchronous fill] The copy is queued on the releasing (current) stream and an event is
-        recorded after it (``entry.ready``): the staged copy on the all-gather stream waits on that event
-        (:meth:`staged`), and only verify mode's host checksum blocks on it. The full tensor is freed
-        right after this partition call; the door ``record_stream``-s it on this stream, so its memory is
-        not reused before the copy has read it. Padding past ``valid_numel`` is zero from allocation.
+        [Note: asynchronous fill] DeepSpeed releases in the post-forward hook, on the compute stream: a copy
+        queued there would cross PCIe in line with the forward kernels. The copy runs on FCDP's fill stream
+        (``device.side_stream("fill")``) instead, ordered by events:
+
+        - the copy waits for the producer: an event recorded on the releasing stream, after the gather (and
+          whatever the releasing stream ran) that wrote the full parameter;
+        - the slot's first reader waits for the copy: ``entry.ready`` is recorded on the fill stream after it
+          (the staged copy on the copy stream, a device slot's gather, a move, verify mode's host checksum);
+        - the source stays alive until the copy is done: the full tensor is freed right after this partition
+          call, and the door ``record_stream``-s it on the fill stream, so the caching allocator does not hand
+          its memory to new work before the copy has read it.
+
+        A slot being rewritten (a refresh) was last read by work the releasing stream is ordered after, so the
+        producer event orders the rewrite after those reads too. Padding past ``valid_numel`` is zero from
+        allocation.
         """
         param, slot = entry.param, entry.slot
         assert slot is not None
         n = entry.valid_numel
-        if n > 0:
-            src = param.data.contiguous().view(-1).narrow(0, entry.start, n)
-            with torch.no_grad():
-                if entry.placement is Placement.HOST:
-                    device.to_host(src, out=slot.narrow(0, 0, n))
-                else:
-                    slot.narrow(0, 0, n).copy_(src)  # same device, same stream
-        entry.ready = device.record_event()
+        fills = device.side_stream("fill")
+        produced = device.record_event()
+        with device.stream(fills):
+            device.wait_event(produced)
+            if n > 0:
+                src = param.data.contiguous().view(-1).narrow(0, entry.start, n)
+                with torch.no_grad():
+                    if entry.placement is Placement.HOST:
+                        device.to_host(src, out=slot.narrow(0, 0, n))
+                    else:
+                        slot.narrow(0, 0, n).copy_(src)  # same device, on the fill stream
+                        device.record_stream(src)
+                        device.record_stream(slot)  # the pool's chunk, allocated on another stream, written here
+            entry.ready = device.record_event()
         tag_secondary(slot, entry.slot_numel)
         if self.checksums:  # verify (a debug mode): the host reads the slot, so it waits for the copy
             device.host_wait(entry.ready)

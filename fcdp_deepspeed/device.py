@@ -64,10 +64,16 @@ class Door:
 
     def pin_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Pinned host memory, allocated page-locked directly (never a pageable buffer copied into a pinned
-        one); plain host memory where the accelerator cannot pin, e.g. the CPU."""
+        one); plain host memory where the accelerator cannot pin, e.g. the CPU. See :func:`pin_path`."""
         if not self.pins_host_memory():
             return self.host_empty(numel, dtype)
-        return get_accelerator().pin_empty(numel, dtype=dtype)
+        if pin_path() == "accelerator":
+            return get_accelerator().pin_empty(numel, dtype=dtype)
+        return self.torch_pinned_empty(numel, dtype)
+
+    def torch_pinned_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """From torch's caching host allocator (a CPU-only torch has none: ``RuntimeError``, caught by the pools)."""
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)
 
     def accel_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.accel_device())
@@ -221,6 +227,17 @@ def pins_host_memory() -> bool:
 
 def pin_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return _DOOR.pin_empty(numel, dtype)
+
+
+def pin_path() -> str:
+    """Which allocator :meth:`Door.pin_empty` uses where memory is pinned: ``"accelerator"`` (DeepSpeed >= 0.19's
+    ``pin_empty``) or ``"torch"`` (``torch.empty(..., pin_memory=True)``).
+
+    [Note: pinning before DeepSpeed 0.19] ``get_accelerator().pin_empty`` is new in 0.19 (it honours
+    ``DS_PIN_MEMORY_BACKEND=native``); 0.16-0.18's accelerators have only ``pin_memory(tensor)``, which copies a
+    pageable buffer. There the door allocates page-locked memory with torch itself
+    (:meth:`Door.torch_pinned_empty`), what 0.19's CUDA accelerator does without the native backend."""
+    return "accelerator" if callable(getattr(get_accelerator(), "pin_empty", None)) else "torch"
 
 
 def accel_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

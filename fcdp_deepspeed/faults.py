@@ -20,6 +20,10 @@ rank 1 only or on every rank without ``@rank``): ``reconstruction`` (one rank's 
 by one ulp in its first element, ``compress/params.py``), ``own_row`` (the gradient codec's own row is quantized,
 as before issue 33), ``clip`` (residuals ignore the clip coefficient), ``share`` (a reference checkpoint share
 is restored from the wrong peer).
+
+``FCDP_FORCE_REDUCE_SCATTER=1`` (test-only) makes the gradient stages reduce-scatter with
+``reduce_scatter_tensor``, NCCL's branch, on gloo too, where they otherwise take all-to-all + a local sum:
+the only way that branch runs above one rank without a GPU.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import os
 
 FAULT_ENV = "FCDP_INJECT_FAULT"
 BREAK_ENV = "FCDP_BREAK_INVALIDATION"
+FORCE_REDUCE_SCATTER_ENV = "FCDP_FORCE_REDUCE_SCATTER"
 INVALIDATION_PATHS = ("optimizer_write", "step_end", "requires_grad", "checkpoint", "refresh",
                       "checkpoint_window")
 COMPRESSION_ENV = "FCDP_BREAK_COMPRESSION"
@@ -83,3 +88,8 @@ def compression_broken(path: str) -> bool:
         if name == path and (not where or int(where) == rank):
             return True
     return False
+
+
+def reduce_scatter_forced() -> bool:
+    """Whether ``FCDP_FORCE_REDUCE_SCATTER=1`` (test-only; read when a reducer is built)."""
+    return os.environ.get(FORCE_REDUCE_SCATTER_ENV, "") == "1"

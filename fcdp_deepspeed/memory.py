@@ -187,6 +187,30 @@ def pinned_capacity(budget_bytes: int, pinned: bool = True) -> int:
     return 1 << (budget_bytes.bit_length() - 1)
 
 
+def chunk_groups(nbytes: list[int], chunk_bytes: int, pinned: bool = False) -> list[list[int]]:
+    """Indices of ``nbytes`` (one dtype, in order) grouped into chunks of at most ``chunk_bytes``.
+
+    A larger slot opens a chunk of its own, which costs ``pinned_cost`` of it (pinned: up to 2x): the slots
+    after it fill what that rounding pays for anyway, so a large slot wastes at most the rest of the pool's
+    tail. (A slot is one tensor, DeepSpeed's secondary, so it cannot span chunks.)"""
+    chunks: list[list[int]] = []
+    used = capacity = 0
+    for i, n in enumerate(nbytes):
+        if chunks and used + n <= capacity:
+            chunks[-1].append(i)
+            used += n
+        else:
+            chunks.append([i])
+            used, capacity = n, max(chunk_bytes, pinned_cost(n, pinned))
+    return chunks
+
+
+def chunks_cost(nbytes: list[int], chunk_bytes: int, pinned: bool) -> int:
+    """Bytes the chunks of :func:`chunk_groups` take, pinned rounding included (see ``memory.pinned_cost``)."""
+    return sum(pinned_cost(sum(nbytes[i] for i in chunk), pinned)
+               for chunk in chunk_groups(nbytes, chunk_bytes, pinned))
+
+
 def device_margin(total_bytes: int) -> int:
     """Accelerator memory ``cache_device: auto`` never takes: max(10% of total, 2 GiB), for what the
     peak-reserved measurement cannot see (CUDA context, NCCL communicator buffers, fragmentation,

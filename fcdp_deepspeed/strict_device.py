@@ -159,7 +159,9 @@ class StrictDoor(device.Door):
         out = self.pin_empty(t.numel(), t.dtype).view(t.shape) if out is None else out
         if not _is_host(out):
             raise DeviceMismatchError(f"fcdp strict device: {call_site()[1]}: to_host into accelerator memory")
-        return self._copy(out, t, out)
+        self._copy(out, t, out)
+        self.record_stream(t)  # as the real door does: the source may be freed while the copy reads it
+        return out
 
     def small_to_accel(self, values: list, dtype: torch.dtype, where: Optional[torch.device] = None) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)

@@ -154,6 +154,8 @@ class Record:
     uses: dict = field(default_factory=dict)  # stream -> last access (the free check)
     recorded: set = field(default_factory=set)  # streams record_stream-ed
     alloc_site: Site = ("other", "?")
+    #: A DeepSpeed collective's output ([Note: DeepSpeed's gathered parameters]): only FCDP's uses are checked at free.
+    adopted: bool = False
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -271,12 +273,14 @@ class StreamModel(StreamClocks):
         if rec is not None:
             rec.label = label
 
-    def _fcdps(self, rec: Record, earlier: Access, s: FakeStream) -> bool:
-        """Whether a conflict is FCDP's to order: its memory, its earlier access, or its own stream now.
+    def _fcdps(self, rec: Record, earlier: Access, now: Access) -> bool:
+        """Whether a conflict is FCDP's to order: its memory, its earlier access, its own stream now, or its access
+        now (FCDP's code: e.g. the two-stage gather's copies of the optimizer-written ``ds_tensor``, which wait for
+        the step's event, [Note: the optimizer's writes] in runtime/gather.py).
         [Note: DeepSpeed's own orderings] are DeepSpeed's: e.g. in 0.19.8 the optimizer's writes to ``ds_tensor``
-        and the next forward's gathers on the all-gather stream are ordered only by the throughput timer's
-        device synchronize, which starts at step 2."""
-        return rec.door or earlier.fcdp or s.fcdp
+        and the next forward's gathers on the all-gather stream (DeepSpeed's own, for its flat path) are ordered
+        only by the throughput timer's device synchronize, which starts at step 2."""
+        return rec.door or earlier.fcdp or now.stream.fcdp or now.fcdp
 
     def access(self, s: FakeStream, reads: Iterable[tuple], writes: Iterable[tuple], site: Site,
                fcdp: bool = False) -> None:
@@ -293,7 +297,7 @@ class StreamModel(StreamClocks):
                 if span.end <= a or span.start >= b:
                     keep.append(span)
                     continue
-                if (span.write or write) and not self.ordered(s, span.acc) and self._fcdps(rec, span.acc, s):
+                if (span.write or write) and not self.ordered(s, span.acc) and self._fcdps(rec, span.acc, now):
                     self.fail(self._conflict(rec, now, write, span))
                 superseded = write and a <= span.start and span.end <= b
                 repeated = not write and not span.write and span.acc.stream is s and (span.start, span.end) == (a, b)
@@ -320,6 +324,8 @@ class StreamModel(StreamClocks):
         """A door allocation's last view died: the caching allocator may hand it to new work on its stream."""
         for s, use in rec.uses.items():
             if s is rec.alloc or s.comm or s in rec.recorded or self.ordered(rec.alloc, use) or self.ordered(self.host, use):
+                continue
+            if rec.adopted and not use.fcdp:  # DeepSpeed's memory, DeepSpeed's use
                 continue
             owner, site = call_site(2)
             self.fail(f"{rec.label} (allocated {_where(Access(rec.alloc, 0, rec.alloc_site))}) was freed at {site} while "
@@ -542,6 +548,18 @@ def _comm_stream(group: Any) -> FakeStream:
     return s
 
 
+def _adopt_outputs(spans: list, issuing: FakeStream, site: Site) -> None:
+    """[Note: DeepSpeed's gathered parameters] DeepSpeed's collectives write memory FCDP did not allocate (the
+    gathered ``param.data`` that the release hook copies into a cache slot, on FCDP's fill stream): its outputs
+    are tracked from here, allocated on the issuing stream, so an FCDP stream reading them unordered, or a free
+    while an FCDP stream still reads them without ``record_stream``, is reported. DeepSpeed's own later accesses
+    stay DeepSpeed's to order (:meth:`StreamModel._fcdps`)."""
+    for storage, _, _ in spans:
+        if storage not in MODEL.records:
+            rec = MODEL.records[storage] = Record(label="gathered tensor", alloc=issuing, alloc_site=site, adopted=True)
+            weakref.finalize(storage, MODEL.freed, rec)
+
+
 def modeled_collective(method: str, bound: dict, call: Callable[[], Any]) -> Any:
     """Run a ``deepspeed.comm`` backend collective on its group's fake stream (see the note above)."""
     issuing = MODEL.current()
@@ -552,8 +570,11 @@ def modeled_collective(method: str, bound: dict, call: Callable[[], Any]) -> Any
         written = name in _OUTPUTS or (method in _IN_PLACE and name in ("tensor", "tensors"))
         (writes if written else reads).extend(_tensors_of(value))
     site = call_site(2)
+    fcdp = site[0] == "fcdp" or MODEL.in_fcdp_context()
     with torch._C.DisableTorchFunctionSubclass():
-        MODEL.access(comm, _spans(reads), _spans(writes), site, site[0] == "fcdp" or MODEL.in_fcdp_context())
+        if not fcdp:
+            _adopt_outputs(_spans(writes), issuing, site)
+        MODEL.access(comm, _spans(reads), _spans(writes), site, fcdp)
     with paused():
         work = call()
     event = comm.record_event()

@@ -50,38 +50,27 @@ SITE = r"[\w/.]+:\d+ \w+ \(position \d+\)"
 ORDERINGS = {
     # the staged copy (copy stream) waits for the fill's event (releasing stream)
     "fill_ready": (r"read of pinned host memory on stream 'fcdp_param_h2d' at fcdp_deepspeed/cache.py:\d+ staged .* is "
-                   r"not ordered after its write on stream '(default|ds_allgather)' at fcdp_deepspeed/cache.py:\d+ _fill"),
-    # the all-gather stream waits for the staged copies' event
-    "staged_event": (r"read of accelerator copy of host memory on stream 'ds_allgather' at zero/partition_parameters.py:\d+ "
-                     r"_all_gather_dtype .* is not ordered after its write on stream 'fcdp_param_h2d' at "
-                     r"fcdp_deepspeed/cache.py:\d+ staged"),
-    # staged copies are record_stream-ed on the all-gather stream before they are dropped
-    "staged_record_stream": (r"accelerator copy of host memory \(allocated on stream 'fcdp_param_h2d' at "
-                             r"fcdp_deepspeed/cache.py:\d+ staged .*\) was freed at fcdp_deepspeed/cache.py:\d+ staged while "
-                             r"its use on stream 'ds_allgather' at zero/partition_parameters.py:\d+ _all_gather_dtype"),
-    # after the flush (reduce stream) the step's stream waits for it
-    "flush_wait": (r"read of tensor on stream 'default' at zero/stage3.py:\d+ \w+ .* is not ordered after its write on "
-                   r"stream 'ds_reduce_and_partition' at zero/stage3.py:\d+ partition_grads"),
-    # the node buffer's stream waits for the node sums (reduce stream)
-    "grad_buffer_sums": (r"read of tensor on stream 'fcdp_grad_buffer' at grads/buffer.py:\d+ accumulate .* is not ordered "
-                         r"after its write on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ _scatter_sum"),
-    # take() waits for the slot's round trip (buffer stream)
-    "grad_buffer_done": (r"read of pinned host memory on stream 'ds_reduce_and_partition' at grads/buffer.py:\d+ take .* is "
-                         r"not ordered after its write on stream 'fcdp_grad_buffer' at grads/buffer.py:\d+ accumulate"),
-    # the node sums are record_stream-ed on the buffer's stream
-    "grad_buffer_record_stream": (r"tensor \(allocated on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ "
-                                  r"_scatter_sum .*\) was freed at .* while its use on stream 'fcdp_grad_buffer' at "
-                                  r"grads/buffer.py:\d+ accumulate"),
-    # the two-stage gather: stage 2 (node group) after stage 1 (peer group), both from the engine's gather stream
-    "two_stage_gather": (r"read of door accelerator memory on stream 'collectives\([\d, ]+\)' at runtime/gather.py:\d+ "
-                         r"\w+ .* is not ordered after its write on stream 'collectives\([\d, ]+\)' at "
-                         r"runtime/gather.py:\d+ \w+"),
+                   r"not ordered after its write on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill"),
+    # the two-stage gather's partition copies (issuing stream) wait for the optimizer step's event
+    # (a probe on every rank after the clean steps, workers/device_discipline.py _optimizer_event_probe)
+    "optimizer_event": (r"read of [\w ]+ on stream 'ds_allgather_probe' at [\w/.]+:\d+ \w+ .* is not ordered after "
+                        r"its write on stream 'default' at [\w/.]+:\d+ _optimizer_event_probe"),
+    # the reduce stream waits for a host residual's copy to the accelerator (residual stream)
+    "residual_ready": (r"read of accelerator copy of host memory on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+ "
+                       r".* is not ordered after its write on stream 'fcdp_grad_residual' at compress/residual.py:\d+ "
+                       r"_host_to_accel"),
+    # the residual stream waits for the new residual (reduce stream) before copying it to the host
+    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write .* is not "
+                       r"ordered after its write on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
     "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "
                          r"'default' at fcdp_deepspeed/cache.py:\d+ move"),
 }
-BREAKS = [{"scenario": BY_NAME["host_full_node_gated"], "breaks": [k for k in ORDERINGS if k != "deferred_release"]},
-          {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]}]  # the move: end of step 2
+RESIDUAL = ["residual_ready", "residual_value"]
+BREAKS = [{"scenario": BY_NAME["host_full_node_gated"],
+           "breaks": [k for k in ORDERINGS if k != "deferred_release" and k not in RESIDUAL]},
+          {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]},  # the move: end of step 2
+          {"scenario": BY_NAME["host_full_node_int8_gated"], "breaks": RESIDUAL}]
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +133,11 @@ def test_no_blocking_host_device_operation_beyond_zero3(strict, name):
 
 def test_stream_order_holds_in_every_scenario(strict):
     """The stream-order model raises on the first violation: every scenario above ran through (all 4 ranks), and
-    so did the first (clean) step of each broken run."""
+    so did the first (clean) step of each broken run, and the optimizer-event probe with its event."""
     for per_rank in strict:
         for spec in BREAKS:
             assert per_rank[f"broken:{spec['scenario']['name']}"]["clean"] == []
+        assert per_rank["broken:host_full_node_gated"]["optimizer_event_clean"] == []
 
 
 @pytest.mark.parametrize("ordering", list(ORDERINGS))
@@ -297,7 +287,71 @@ def test_verify_checksum_waits_for_the_fill():
     with _collected() as found:
         _filled_entry(door, lambda event: None)
     assert found and re.search(r"read of pinned host memory on stream 'host' at fcdp_deepspeed/cache.py:\d+ _fill .* "
-                               r"after its write on stream 'default' at fcdp_deepspeed/cache.py:\d+ _fill", found[0]), found
+                               r"after its write on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill", found[0]), found
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+@pytest.mark.parametrize("broken", ["", "fill_producer", "fill_record_stream", "fill_ready"])
+def test_fill_runs_on_its_stream_ordered_by_events(placement, broken):
+    """In-process, through ``NodeCache.on_partition``: the gathered value is written on a producer stream the
+    releasing (default) stream waits for, as DeepSpeed's consumer does; the fill copies it into a slot on the fill
+    stream, then the value is freed and a reader stream reads the slot after ``entry.ready``. Each ordering of
+    [Note: asynchronous fill] removed in turn is reported with both sites: the fill waits for the producer, the
+    source is ``record_stream``-ed on the fill stream, the reader waits for the fill."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from fcdp_deepspeed import strict_device as sd
+    from fcdp_deepspeed.cache import CacheEntry, NodeCache, Placement, SlotPool
+    from fcdp_deepspeed.stats import CacheCounters
+    door = sd.StrictDoor()
+    wait_event, record_stream = door.wait_event, door.record_stream
+    on = lambda name: door.current_stream().name == name  # noqa: E731
+    if broken == "fill_producer":
+        door.wait_event = lambda ev: None if on("fcdp_fill") else wait_event(ev)
+    elif broken == "fill_record_stream":
+        door.record_stream = lambda t: None if on("fcdp_fill") else record_stream(t)
+    producer, reader = door.side_stream("test_gather"), door.side_stream("test_reader")
+    cache = NodeCache(rank_in_node=0, counters=CacheCounters(), checksums=False)
+    param = torch.nn.Parameter(torch.zeros(0))
+    param.ds_id, param.ds_numel, param.ds_status, param.ds_secondary_tensor = 0, 8, ZeroParamStatus.AVAILABLE, None
+    entry = cache.entries[0] = CacheEntry(param=param, name="w", slot_numel=8, start=0, dtype=torch.float32)
+    where = Placement.HOST if placement == "host" else Placement.DEVICE
+    with device.use(door), _collected() as found:
+        pool = SlotPool(where, pin=True)
+        assert not pool.reserve([entry])
+        with door.stream(producer):  # the gather: a new accelerator tensor, written on its stream
+            full = torch.arange(8.0) + 1
+        door.wait_stream(producer)  # the consumer (releasing stream) waits for the gather
+        param.data = full
+        cache.on_partition(entry, has_been_updated=False)
+        if broken == "fill_ready":
+            entry.ready = None
+        param.data = torch.zeros(0)  # DeepSpeed frees the gathered tensor right after the partition call
+        del full
+        gc.collect()
+        with door.stream(reader):  # the slot's first reader (a staged copy, a device slot's gather)
+            door.wait_event(entry.ready)
+            door.to_accel(entry.slot).sum() if placement == "host" else entry.slot.sum()
+        for s in (door.side_stream("fill"), reader):
+            s.synchronize()  # the host knows both are done: the pool may go
+        entry.slot = None
+        del pool
+        gc.collect()
+    here = r"tests/test_device_discipline.py:\d+ test_fill_runs_on_its_stream_ordered_by_events"
+    fill = r"fcdp_deepspeed/cache.py:\d+ _fill"
+    expected = {
+        "": None,
+        "fill_producer": rf"read of tensor on stream 'fcdp_fill' at {fill} .* not ordered after its write on stream "
+                         rf"'fcdp_test_gather' at {here}",
+        "fill_record_stream": rf"tensor \(allocated on stream 'fcdp_test_gather' at {here} .*\) was freed at .* while its "
+                              rf"use on stream 'fcdp_fill' at {fill}",
+        "fill_ready": rf"read of [\w ]+ on stream 'fcdp_test_reader' at [\w/.]+:\d+ \w+ .* not ordered after its write on "
+                      rf"stream 'fcdp_fill' at {fill}",
+    }[broken]
+    if expected is None:
+        assert found == [], found
+    else:
+        assert any(re.search(expected, m) for m in found), found
 
 
 def test_reduction_index_is_built_on_the_gradients_device(monkeypatch):

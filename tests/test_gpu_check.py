@@ -56,6 +56,10 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert checks["deepspeed.init_distributed adopts the fake group"] is True
     assert checks["host: cache served hits"] is True and checks["node_host: gradient buffer on the host"] is True
     assert checks["node_host: the gated block's window sums were flushed"] is True
+    for name in ("host", "device", "auto", "node_host"):  # full fine-tuning refills every applied step
+        run = b["numbers"]["runs"][name]
+        assert run["skipped"] == [0, 0, 0] and all(run["fills"]) and len(run["hits"]) == 3, run
+        assert checks[f"{name}: steady-state steps applied and refilled (not all hits from skipped steps)"] is True
     assert checks["host: peak allocated within 5% of ZeRO-3"] is None  # no device memory on the CPU accelerator
     assert {c["name"]: c["passed"] for c in a["checks"]}["communicator warm-up ran on both groups"] is True
     assert set(a["numbers"]["comm_warmup_bytes"]) == {"node", "node_peers"}
@@ -64,6 +68,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     d, e = report["cases"]["d_sanitizer"], report["cases"]["e_host_memory"]
     assert {c["name"]: c["passed"] for c in d["checks"]}["host: no stream race in FCDP's code (CUDA sanitizer)"] is None
     assert d["numbers"]["errors"] == {}  # every variant ran (on the CPU accelerator, without the sanitizer)
+    assert d["numbers"]["param_gather"] == "flat" and "record_stream (frees)" in d["numbers"]["not_checked"]
     assert e["numbers"]["pin"]["pin_bytes"] == 2**26 and len(e["numbers"]["h2d"]) == 1
     assert all(c["passed"] is None for c in e["checks"])  # nothing is page-locked on the CPU
     for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory"):
@@ -123,3 +128,52 @@ def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
     assert _fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
     assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/cache.py", line 3, in staged\n') == [
         'File "/x/fcdp_deepspeed/cache.py", line 3, in staged']
+
+
+def test_steady_state_of_skipped_steps_fails_case_b():
+    """Case (b) must not pass on a steady state that is all hits because its steps were skipped (no weights
+    written, nothing invalidated, nothing refilled)."""
+    from fcdp_deepspeed.tools.gpu_fake_pg import steady_state_problem
+    applied = {"skipped": [0, 0, 0], "fills": [12, 8, 8], "hits": [4, 16, 16]}
+    assert steady_state_problem(applied) == ""
+    assert "skipped" in steady_state_problem({**applied, "skipped": [0, 1, 0]})
+    assert "refilled nothing" in steady_state_problem({**applied, "fills": [12, 0, 8]})
+    assert "no steady-state step" in steady_state_problem({"skipped": [0], "fills": [12], "hits": [4]})
+
+
+def test_sanitizer_case_runs_the_fcdp_variants_with_the_flat_gather():
+    """[Note: the sanitizer and the two-stage gather]: the known false race is not run; every FCDP variant is."""
+    import inspect
+    from fcdp_deepspeed.tools import gpu_sanitizer
+    source = inspect.getsource(gpu_sanitizer.sanitizer_case)
+    assert 'flat = {"param_gather": "flat"}' in source and source.count("**flat}") == 2
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_device_command_refuses_without_the_bundle(tmp_path):
+    """scripts/gpu_run.sh in a copy of the scripts without .whl/: exit 3, one line saying what to build and carry,
+    and the environment written into OUTDIR (what the device run leaves even when it cannot run the check)."""
+    work = tmp_path / "repo"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "gpu_run.sh").write_text((ROOT / "scripts" / "gpu_run.sh").read_text())
+    proc = subprocess.run(["bash", str(work / "scripts" / "gpu_run.sh"), str(tmp_path / "out")],
+                          env={**os.environ, "FCDP_GPU_PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3 and "gpu_bundle.sh" in proc.stderr and "carry .whl" in proc.stderr, proc.stderr
+    assert "python: Python" in (tmp_path / "out" / "env.txt").read_text()
+
+
+def test_bundle_lists_deepspeeds_and_this_packages_requirements():
+    """Every runtime requirement of DeepSpeed 0.19.8 and of this package is in scripts/gpu_bundle.sh's wheelhouse
+    (torch is the image's; numpy goes to .whl/optional/), so an offline ``--no-index`` install is complete."""
+    import re
+    from importlib.metadata import requires
+    bundle = (ROOT / "scripts" / "gpu_bundle.sh").read_text()
+    listed = {m.lower().replace("_", "-") for m in re.findall(r"([A-Za-z][\w.-]*)==[\d.]+", bundle)}
+    names = lambda reqs: {re.split(r"[ <>=!;\[]", r)[0].lower().replace("_", "-")  # noqa: E731
+                          for r in reqs or [] if "extra ==" not in r}
+    needed = (names(requires("deepspeed")) | names(requires("fcdp-deepspeed")) | names(requires("pydantic"))) - {
+        "torch", "deepspeed"}
+    assert needed - listed == set(), needed - listed

@@ -123,6 +123,25 @@ def test_bf16_bound_fails_for_a_broken_plan():
         check_bound(per_rank, "ga4", "hier", roundoff=BF16_ROUNDOFF, zero3_within=4 * BF16_ROUNDOFF)
 
 
+def test_nccl_branch_reduce_scatter_within_zero3_error_2x2():
+    """NCCL's branch of the two stages (``reduce_scatter_tensor``; on gloo FCDP takes all-to-all + an fp32 sum, so
+    above one rank it runs only here, forced by ``FCDP_FORCE_REDUCE_SCATTER=1``), through ``deepspeed.initialize``:
+    fp32 within ZeRO-3's error, and in bf16, where the reduce-scatter sums bf16 inputs in bf16 (as NCCL does,
+    ZeRO-3's own path too), within the bf16 bound. Measured numbers: docs/GPU.md, "Precision in bf16"."""
+    per_rank = run_ranks("grads:forced_reduce_scatter", 4, timeout=900, scenarios=[ERROR_SCENARIOS[1]],
+                         bf16_scenarios=BF16_ERROR_SCENARIOS, ranks_per_node=2)
+    for r in per_rank:
+        assert r["branches"]["reduce_scatter_tensor"] > 0 and r["branches"]["all_to_all"] == 0, r["branches"]
+    fp32 = [r["fp32"] for r in per_rank]
+    bf16 = [r["bf16"] for r in per_rank]
+    for mode in MODES:
+        check_bound(fp32, "ga4", mode)
+        err = check_bound(bf16, "ga4", mode, roundoff=BF16_ROUNDOFF, zero3_within=4 * BF16_ROUNDOFF)
+        zero3, scale = worst([e for r in bf16 for e in r["ga4"]["zero3"]])
+        print(f"bf16 {mode} (reduce_scatter_tensor): max |error| / max |gradient| = {err / scale:.3g} "
+              f"(ZeRO-3 {zero3 / scale:.3g})")
+
+
 PARITY = [
     dict(name="hier_ga1", fcdp=HIER),
     dict(name="hier_ga4", fcdp=HIER, grad_accum=4),

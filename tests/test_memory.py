@@ -159,3 +159,19 @@ def test_slurm_headroom_subtracts_every_rank_of_the_node():
     assert used == 5 * GiB
     limit = memory.slurm_limit({"SLURM_MEM_PER_NODE": str(16 * 1024)}, used)
     assert limit == ("SLURM_MEM_PER_NODE=16384M", 11 * GiB)
+
+
+def test_node_buffer_chunks_hold_what_the_host_budget_allows():
+    """[Note: buffer chunks] One flat pinned gradient buffer costs its power-of-two rounding, so it could hold only
+    the largest power of two under the budget (1 GiB of 1.5 here); power-of-two chunks hold the whole budget."""
+    from fcdp_deepspeed.grads.buffer import CHUNK_BYTES, fit_prefix_cost
+    MiB = 2**20
+    sizes = [64 * MiB] * 24  # 1.5 GiB of slots
+    budget = 3 * GiB // 2
+    assert memory.pinned_capacity(budget) // (64 * MiB) == 16  # what the single rounded buffer held
+    assert fit_prefix_cost(sizes, budget, rounds=True) == 24
+    assert memory.chunks_cost(sizes, CHUNK_BYTES, pinned=True) == budget
+    # a chunk's rounding is counted: 3 slots of 100 MiB take a 256 MiB chunk and a 128 MiB one
+    assert fit_prefix_cost([100 * MiB] * 3, 383 * MiB, rounds=True) == 2
+    assert fit_prefix_cost([100 * MiB] * 3, 384 * MiB, rounds=True) == 3
+    assert fit_prefix_cost([100 * MiB] * 3, 300 * MiB, rounds=False) == 3

@@ -128,3 +128,76 @@ def test_autocast_comm_dtype_where_the_release_marks_it():
         return
     setattr(param, PARAM_COMM_DTYPE_ATTR_NAME, torch.bfloat16)
     assert ds_compat.autocast_comm_dtype(param) is torch.bfloat16
+
+
+class _CanPinDoor:
+    """The door as on CUDA: the accelerator answers "can pin" (``pins_host_memory``). torch's own pinned
+    allocator, which a CPU-only torch lacks (``torch.empty(pin_memory=True)`` raises ``RuntimeError``), is
+    stood in for by plain host memory, and each use is recorded: what is tested is which allocator the door
+    picks on this release, and that what it hands out serves the pools."""
+
+    @staticmethod
+    def make(stand_in: bool):
+        from fcdp_deepspeed import device
+
+        class Door(device.Door):
+            def __init__(self) -> None:
+                self.torch_pins: list[int] = []
+
+            def pins_host_memory(self) -> bool:
+                return True
+
+            def torch_pinned_empty(self, numel, dtype):
+                self.torch_pins.append(numel)
+                if not stand_in:
+                    return super().torch_pinned_empty(numel, dtype)
+                return torch.empty(numel, dtype=dtype)
+
+        return Door()
+
+
+def _host_entry(numel: int = 40):
+    from fcdp_deepspeed.cache import CacheEntry
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.ds_numel = numel
+    return CacheEntry(param=param, name="w", slot_numel=numel, start=0, dtype=torch.float32)
+
+
+def test_pinning_takes_the_release_allocator():
+    """Every host pool allocates pinned memory with the allocator this release has: DeepSpeed 0.19's
+    ``accelerator.pin_empty``, else torch's pinned ``torch.empty`` (0.16-0.18's accelerators lack
+    ``pin_empty``: before the fallback, every default config died at build on CUDA with AttributeError)."""
+    from deepspeed.accelerator import get_accelerator
+    from fcdp_deepspeed import device
+    from fcdp_deepspeed.cache import Placement, SlotPool
+    from fcdp_deepspeed.compress import residual
+    has = callable(getattr(get_accelerator(), "pin_empty", None))
+    import deepspeed
+    release = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
+    assert has == (release >= (0, 19)), (release, has)
+    door = _CanPinDoor.make(stand_in=True)
+    with device.use(door):
+        assert device.pin_path() == ("accelerator" if has else "torch")
+        pool = SlotPool(Placement.HOST, pin=True)
+        entry = _host_entry()
+        assert pool.reserve([entry]) == [] and entry.slot is not None and entry.placement is Placement.HOST
+        assert entry.slot.eq(0).all()  # zeroed once at allocation
+        buf = residual._allocate(16, on_device=False, pin=True)
+        assert buf is not None and buf.numel() == 16
+    # the pooled chunk is rounded to a power of two (what a pinned allocation costs), through the torch path
+    assert door.torch_pins == ([] if has else [64, 16]), door.torch_pins
+
+
+def test_pinning_failure_degrades_to_plain_zero3():
+    """Where torch cannot pin (here a CPU-only torch, on CUDA an exhausted or locked-memory-limited host), the
+    pools' fallback catches the allocator's error: the entries are left unplaced (plain ZeRO-3), no crash."""
+    from deepspeed.accelerator import get_accelerator
+    from fcdp_deepspeed import device
+    from fcdp_deepspeed.cache import SlotPool, Placement
+    if callable(getattr(get_accelerator(), "pin_empty", None)):
+        pytest.skip("this release pins through its accelerator (which is a no-op on the CPU)")
+    door = _CanPinDoor.make(stand_in=False)
+    with device.use(door):
+        entry = _host_entry()
+        assert SlotPool(Placement.HOST, pin=True).reserve([entry]) == [entry] and entry.slot is None
+    assert door.torch_pins == [64]

@@ -44,7 +44,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, faults
+from fcdp_deepspeed import device, faults, memory
 from fcdp_deepspeed.grads.buffer import BufferPlanner, fitting_prefix
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
 from fcdp_deepspeed.stats import fmt_bytes
@@ -52,6 +52,24 @@ from fcdp_deepspeed.stats import fmt_bytes
 #: Bytes per residual element (fp32) and slots per parameter (committed + pending).
 ELEMENT_BYTES = 4
 SLOTS = 2
+
+
+#: [Note: residual copies] Host residual slots cross PCIe on FCDP's own stream, as the node gradient buffer's round
+#: trip does (grads/buffer.py), not on DeepSpeed's reduce stream, whose reduce-scatters would queue behind them. A
+#: write waits for an event after the value (reduce stream); a read's device copy is waited for by the reduce
+#: stream through an event and ``record_stream``-ed there. Reads and writes of one slot stay in order on the one
+#: residual stream; host readers (checkpoints) wait on ``written``, recorded there.
+STREAM = "grad_residual"
+
+
+def _host_to_accel(slot: torch.Tensor) -> torch.Tensor:
+    """``slot`` (pinned host) on the accelerator for the current (reduce) stream, copied on the residual stream."""
+    with device.stream(device.side_stream(STREAM)):
+        residual = device.to_accel(slot)
+        copied = device.record_event()
+    device.wait_event(copied)
+    device.record_stream(residual)  # allocated on the residual stream, read on this one
+    return residual
 
 
 @dataclass
@@ -83,7 +101,7 @@ class ResidualStore:
         if recorded is None:
             return None
         slot = self._slot(ds_id, index).view(shape)
-        residual = device.to_accel(slot) if self.device == "host" else slot
+        residual = _host_to_accel(slot) if self.device == "host" else slot
         return residual * (loss_scale / recorded) if loss_scale != recorded else residual
 
     def write(self, ds_id: int, value: torch.Tensor, loss_scale: float) -> None:
@@ -93,13 +111,17 @@ class ResidualStore:
             self.pending[ds_id] = loss_scale
         slot = self._slot(ds_id, index).view(value.shape)
         if self.device == "host":
-            device.to_host(value, out=slot)
+            produced = device.record_event()  # on the reduce stream: the value exists
+            with device.stream(device.side_stream(STREAM)):  # [Note: residual copies]
+                device.wait_event(produced)
+                device.to_host(value, out=slot)  # the door record_streams ``value`` on this stream
         else:
             slot.copy_(value)
 
     def writes_done(self) -> None:
         if self.device == "host":
-            self.written = device.record_event()
+            with device.stream(device.side_stream(STREAM)):
+                self.written = device.record_event()
 
     def commit(self) -> int:
         """The step was applied: pending residuals become the committed ones (an index flip). Returns how many."""
@@ -159,7 +181,9 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
     params = sorted(params, key=lambda p: p.ds_id)
     numels = [(layout.nodes - 1) * chunk_numel(p.ds_numel, layout.dp_size) for p in params]  # the sent rows
     on_device = planner.config.grad_buffer_device == "device"
-    budget = max(0, planner.budget_bytes(on_device) - reserved_bytes)
+    # one allocation: a pinned one costs its power-of-two rounding (the node buffer's chunks do not, grads/buffer.py)
+    budget = memory.pinned_capacity(max(0, planner.budget_bytes(on_device) - reserved_bytes),
+                                    pin and not on_device and device.pins_host_memory())
     fits = planner.agree_min(fitting_prefix([SLOTS * n * ELEMENT_BYTES for n in numels], budget))
     total = sum(numels[:fits])
     flat = _allocate(SLOTS * total, on_device, pin) if fits else None

@@ -50,16 +50,23 @@ class NodeGradBuffer:
     parameters in the same micro-steps, so the set is identical on all of them.
     """
 
-    flat: Optional[torch.Tensor] = None
-    offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset, numel)
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    """The buffer's allocations ([Note: buffer chunks])."""
+    offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset in its chunk, numel)
+    chunk_of: dict[int, int] = field(default_factory=dict)  # ds_id -> index into ``chunks``
     dirty: set[int] = field(default_factory=set)
     device: str = "host"
     #: Event after the last round trip of host slots on the buffer's stream (``None``: none, or no streams).
     done: Any = None
 
+    @property
+    def flat(self) -> Optional[torch.Tensor]:
+        """The first chunk (``None``: no buffer): where the buffer lives and whether it is pinned."""
+        return self.chunks[0] if self.chunks else None
+
     def slot(self, ds_id: int) -> Optional[torch.Tensor]:
         where = self.offsets.get(ds_id)
-        return None if where is None or self.flat is None else self.flat.narrow(0, where[0], where[1])
+        return None if where is None or not self.chunks else self.chunks[self.chunk_of[ds_id]].narrow(0, *where)
 
     def accumulate(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Add each ``(ds_id, cols)`` (accelerator, accumulation dtype) into its slot; a clean slot is overwritten.
@@ -96,7 +103,27 @@ class NodeGradBuffer:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+
+#: [Note: buffer chunks] The buffer is carved into chunks of at most this size (a slot larger than it opens a
+#: chunk of its own), as the cache's pools are (``cache.CHUNK_BYTES``): a pinned allocation costs its power-of-two
+#: rounding, so one flat pinned buffer could hold only the largest power of two under its budget (as little as
+#: half of it); chunks of a power-of-two size cost what they hold, and only the last chunk's rounding is paid.
+CHUNK_BYTES = 256 * 2**20
+
+
+def fit_prefix_cost(sizes: Sequence[int], budget: int, rounds: bool) -> int:
+    """How many of ``sizes`` (bytes, in order) fit ``budget`` once chunked (:data:`CHUNK_BYTES`), pinned rounding
+    counted when ``rounds``. The cost of a prefix only grows: binary search."""
+    lo, hi = 0, len(sizes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if memory.chunks_cost(list(sizes[:mid]), CHUNK_BYTES, rounds) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def fitting_prefix(sizes: Sequence[int], budget: int) -> int:
@@ -137,7 +164,8 @@ class BufferPlanner:
         params, numels = self.sizes(params)
         self.trainable = params
         on_device = self.config.grad_buffer_device == "device"
-        return BufferFit(need_bytes=sum(numels) * self.accumulation_dtype.itemsize,
+        return BufferFit(need_bytes=memory.chunks_cost([n * self.accumulation_dtype.itemsize for n in numels],
+                                                       CHUNK_BYTES, self.rounds(on_device)),
                          budget_bytes=self.agree_min(self.budget_bytes(on_device)),
                          device="device" if on_device else "host")
 
@@ -153,16 +181,21 @@ class BufferPlanner:
         itemsize = self.accumulation_dtype.itemsize
         on_device = self.config.grad_buffer_device == "device"
         budget = self.budget_bytes(on_device)
-        fits = self.agree_min(fitting_prefix([n * itemsize for n in numels], budget))
-        flat = self._allocate(sum(numels[:fits]), on_device) if fits else None
-        if fits and self.agree_min(1 if flat is not None else 0) == 0:
-            flat, fits = None, 0
-        if flat is not None:
-            offset = 0
-            for p, numel in zip(params[:fits], numels):
-                self.buffer.offsets[p.ds_id] = (offset, numel)
-                offset += numel
-            self.buffer.flat = flat
+        sizes = [n * itemsize for n in numels]
+        rounds = self.rounds(on_device)
+        fits = self.agree_min(fit_prefix_cost(sizes, budget, rounds))
+        groups = memory.chunk_groups(sizes[:fits], CHUNK_BYTES, rounds)
+        chunks = self._allocate([sum(numels[i] for i in g) for g in groups], on_device, rounds) if fits else None
+        if fits and self.agree_min(1 if chunks is not None else 0) == 0:
+            chunks, fits = None, 0
+        if chunks is not None:
+            for index, group in enumerate(groups):
+                offset = 0
+                for i in group:
+                    self.buffer.offsets[params[i].ds_id] = (offset, numels[i])
+                    self.buffer.chunk_of[params[i].ds_id] = index
+                    offset += numels[i]
+            self.buffer.chunks = chunks
             self.buffer.device = "device" if on_device else "host"
         self.unbuffered_bytes = sum(numels[fits:]) * itemsize
         if fits < len(params) and dist.get_rank() == 0:
@@ -175,21 +208,27 @@ class BufferPlanner:
 
     def budget_bytes(self, on_device: bool) -> int:
         """This rank's share: accelerator budget per rank, or the host budget per node (resolved against
-        ``memory.host_limit`` less its margin) split over its ranks. A pinned buffer costs its power-of-two
-        rounding, so the host share is the largest request whose pinned cost fits."""
+        ``memory.host_limit`` less its margin) split over its ranks. What the buffer's chunks cost, pinned
+        rounding included, must fit it ([Note: buffer chunks])."""
         spec = self.config.grad_buffer_budget_spec
         if on_device:
             return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
         usable = memory.usable_host(memory.host_limit(used_bytes=self.node_rss))
-        share = min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
-        return memory.pinned_capacity(share, self.config.pin_memory and device.pins_host_memory())
+        return min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
 
-    def _allocate(self, numel: int, on_device: bool) -> Optional[torch.Tensor]:
-        """The buffer, allocated once (pinned on the host); ``None`` when allocation fails here."""
+    def rounds(self, on_device: bool) -> bool:
+        """Whether each host chunk costs its power-of-two rounding (pinned for real)."""
+        return not on_device and self.config.pin_memory and device.pins_host_memory()
+
+    def _allocate(self, numels: list[int], on_device: bool, rounds: bool) -> Optional[list[torch.Tensor]]:
+        """The buffer's chunks, allocated once (pinned on the host; a pinned chunk at its rounded size, what the
+        caching host allocator takes anyway); ``None`` when an allocation fails here."""
         try:
             faults.maybe_fail(f"alloc_gradbuf_{'device' if on_device else 'host'}")
             alloc = device.accel_empty if on_device else device.pin_empty if self.config.pin_memory else device.host_empty
-            return alloc(numel, self.accumulation_dtype).zero_()
+            itemsize = self.accumulation_dtype.itemsize
+            return [alloc(memory.pinned_cost(n * itemsize, rounds) // itemsize, self.accumulation_dtype).zero_()
+                    for n in numels]
         except (RuntimeError, MemoryError, faults.InjectedFault):
             return None
 

@@ -8,6 +8,7 @@ import torch
 from deepspeed import comm as dist
 
 import deepspeed.comm.comm as _comm_module
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.grads.layout import ReduceLayout
 
 
@@ -22,8 +23,11 @@ class StageCollectives:
         self.peer_group = peer_group
         self.accumulation_dtype = accumulation_dtype
         backend = _comm_module.cdb.get_backend(dp_group)
-        #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there.
-        self.use_alltoall = str(backend).lower() == "gloo"
+        #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there (unless a test forces
+        #: NCCL's branch, ``faults.reduce_scatter_forced``). [Note: summation dtype] The all-to-all path sums in
+        #: the accumulation dtype (fp32), in group-rank order; ``reduce_scatter_tensor`` sums in the input's dtype:
+        #: NCCL (and gloo) add bf16 inputs in bf16, one rounding per addition, as ZeRO-3's own reduce-scatter does.
+        self.use_alltoall = str(backend).lower() == "gloo" and not faults.reduce_scatter_forced()
         #: ``fcdp.grad_compression``'s stage 2 (``compress/grads.py``: ``GradCompressor``), set when it is on.
         self.compressor: Any = None
 

@@ -110,6 +110,7 @@ class FCDPRuntime:
         self.promotion = Promotion(self.config, cache)
         warn_if_nothing_cached(self.attachment, self.allocation)
         self.param_gather = "flat" if gather is None else "hierarchical"
+        self.gather = gather
         self.compression, self.compression_state = build_compression(  # collective (slot agreement)
             self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
         if self.compression is not None:
@@ -158,6 +159,8 @@ class FCDPRuntime:
 
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
+        if self.gather is not None:  # [Note: the optimizer's writes] (runtime/gather.py)
+            self.gather.stepped = device.record_event()
         self.promotion.on_step_end()
         if self.compression is not None:
             self.compression.store.on_step_end()

@@ -85,6 +85,8 @@ class HierarchicalGather:
     stream: Any = None
     #: ``fcdp.param_compression``: the compressed stage 1 (``None``: off, every stage 1 is exact).
     compression: Optional[ParamCompression] = None
+    #: Event after the last optimizer step, on the stream it ran on ([Note: the optimizer's writes]).
+    stepped: Any = None
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -143,6 +145,10 @@ class HierarchicalGather:
         own = self.own_slot
         mine = flat.narrow(0, own * part, part)
         offset = 0
+        # [Note: the optimizer's writes] The partitions were last written by the optimizer step on the step's
+        # stream, which the issuing stream (DeepSpeed's all-gather stream) is not ordered after: in 0.19.8 only
+        # the throughput timer's device synchronize (from step 2, when enabled) orders them. FCDP's copy waits.
+        device.wait_event(self.stepped)
         for p in params:  # host-resident under offload_param: an async copy on the issuing stream
             device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
             offset += p.ds_tensor.ds_numel

@@ -94,15 +94,19 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     fcdp_deepspeed.install()
     model = gated_model(hidden, layers)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
-    out: dict[str, Any] = {"peak_allocated": [], "peak_reserved": [], "seconds": [], "trace": []}
+    out: dict[str, Any] = {"peak_allocated": [], "peak_reserved": [], "seconds": [], "trace": [], "skipped": [],
+                           "fills": [], "hits": []}
     micro, losses = 0, []
     for _ in range(steps):
         acc.reset_peak_memory_stats()
+        before = step_counts(engine)
         t0 = time.perf_counter()
         with gpu_trace.traced(on_gpu) as holder, gpu_trace.stage_ranges(spans_nodes):
             step_losses, micro = train_step(engine, micro, hidden)
         losses += step_losses
         acc.synchronize()
+        for key, value in step_counts(engine).items():  # per step: skipped steps, fills (+ refreshes), hits
+            out[key].append(value - before[key])
         out["seconds"].append(time.perf_counter() - t0)
         out["peak_allocated"].append(acc.max_memory_allocated() - base)
         out["peak_reserved"].append(acc.max_memory_reserved() - base_reserved)
@@ -116,6 +120,29 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
                                               "hierarchical_gathers")}
     del engine, model
     return out
+
+
+def step_counts(engine) -> dict:
+    """Running totals: DeepSpeed's skipped optimizer steps, FCDP's slot fills (refreshes included) and hits."""
+    import fcdp_deepspeed
+    stats = fcdp_deepspeed.get_stats(engine) or {}
+    return {"skipped": int(getattr(engine, "skipped_steps", 0) or 0),
+            "fills": int(stats.get("cache_fills") or 0) + int(stats.get("cache_refreshes") or 0),
+            "hits": int(stats.get("cache_hits") or 0)}
+
+
+def steady_state_problem(run: dict) -> str:
+    """Why ``run``'s steady state (steps 2 and later) says nothing about refills ("" when it does): a skipped
+    step writes no weights, so nothing is invalidated and the next step is all hits with no fill, which would
+    make the counts and overlap of a refilling step look free. Full fine-tuning refills every step it applied."""
+    skipped, fills = run["skipped"][1:], run["fills"][1:]
+    if not skipped:
+        return "no steady-state step measured"
+    if any(skipped):
+        return f"steady-state steps skipped (per step {skipped}): all hits, nothing refilled"
+    if not all(fills):
+        return f"a steady-state step refilled nothing (fills per step {fills})"
+    return ""
 
 
 def within(value: float, reference: float, tolerance: float = MEMORY_TOLERANCE) -> bool:
@@ -135,9 +162,39 @@ def init_fake_world(res: CaseResult) -> None:
     get_accelerator().set_device(0)
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     deepspeed.init_distributed()
+    zero_reduction_outputs()
     res.check("deepspeed.init_distributed adopts the fake group",
               dist.get_world_size() == 4 and tdist.get_backend() == "fake",
               f"world {dist.get_world_size()}, backend {tdist.get_backend()}")
+
+
+#: The reductions whose output a fake group leaves as allocated: (method, name of the output argument).
+_REDUCTIONS = (("reduce_scatter_tensor", "output_tensor"), ("reduce_scatter", "output"), ("all_to_all_single", "output"))
+
+
+def zero_reduction_outputs() -> None:
+    """[Note: finite gradients in a fake world] A fake group moves no data: a reduce-scatter's output keeps whatever
+    the allocator handed out, and inf or NaN there made DeepSpeed skip optimizer steps (seen in the dry run:
+    steps skipped, so the next step was all hits with nothing refilled, and case b measured no refilling step).
+    The gradient path's reductions get a zeroed output (one memset on the issuing stream each, no host wait);
+    in-place all-reduces keep this rank's own value, which is what FCDP's agreements need (every rank of the
+    fake world would send the same). Gathers are left alone (parameter values are meaningless anyway)."""
+    from deepspeed.comm import comm as ds_comm
+    backend = ds_comm.cdb
+    for method, out_name in _REDUCTIONS:
+        original = getattr(backend, method, None)
+        if original is None or getattr(original, "_fcdp_zeroed", False):
+            continue
+
+        def zeroed(*args, _original=original, _name=out_name, **kwargs):
+            work = _original(*args, **kwargs)
+            out = args[0] if args else kwargs.get(_name)
+            if isinstance(out, torch.Tensor):
+                out.zero_()
+            return work
+
+        zeroed._fcdp_zeroed = True  # type: ignore[attr-defined]
+        setattr(backend, method, zeroed)
 
 
 def spans_nodes(group) -> bool:
@@ -180,6 +237,10 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     for name in fcdp_variants:
         res.check(f"{name}: cache served hits", (runs[name]["stats"]["cache_hits"] or 0) > 0,
                   f"{runs[name]['stats']['cache_hits']} hits")
+        problem = steady_state_problem(runs[name])
+        res.check(f"{name}: steady-state steps applied and refilled (not all hits from skipped steps)", not problem,
+                  problem or f"fills per step {runs[name]['fills']}, hits per step {runs[name]['hits']}, "
+                             f"skipped per step {runs[name]['skipped']}")
     res.check("host: pool pinned", (host["stats"]["pinned_pool_bytes"] or 0) > 0, why, on_gpu)
     a1, z1 = auto["peak_allocated"][0], z["peak_allocated"][0]
     res.check("auto: step-1 peak within 5% of ZeRO-3's", within(a1, z1), f"{a1} vs {z1} bytes {why}", on_gpu)

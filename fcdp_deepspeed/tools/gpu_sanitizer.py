@@ -5,10 +5,19 @@ writes and on which stream, and raises ``CUDASanitizerErrors`` with both stack t
 the same memory without an event or stream wait between them: on real streams what the CPU suite's
 stream-order model checks on fake ones (``fcdp_deepspeed/strict_streams.py``). It does not see host memory,
 so a host read of a pinned slot before its copy finished stays the CPU model's (and verify mode's) to catch.
-Same fake world of 4 as case (b), a small model: plain ZeRO-3, then FCDP with host slots (staged hits on the
-copy stream) and with the host node buffer (its round trip on its own stream, the flush). The device is
-synchronized after each optimizer step (``measure_variant``), as DeepSpeed's throughput timer does from its
-second step: orderings within a step are what this checks.
+Same fake world of 4 as case (b), a small model: plain ZeRO-3, then FCDP with host slots (fills on the fill
+stream, staged hits on the copy stream) and with the host node buffer (its round trip on its own stream, the
+flush). The device is synchronized after each optimizer step (``measure_variant``), as DeepSpeed's throughput timer
+does from its second step: orderings within a step are what this checks.
+
+[Note: the sanitizer and the two-stage gather] The sanitizer reports a false race on the two-stage gather: stage 2
+is issued on FCDP's gather stream and waited for on DeepSpeed's all-gather stream, an ordering through the
+collective's work object the sanitizer does not model. So the FCDP variants run with ``param_gather: flat`` (the
+misses take DeepSpeed's ring, which the zero3 variant covers anyway): every other FCDP ordering is still checked,
+and a real race there is still reported. The two-stage gather's stream order is the CPU model's to check (the
+``two_stage_gather`` broken variant of ``tests/test_device_discipline.py``) and case (c)'s timeline's on 4+ GPUs.
+The sanitizer sees kernels and stream waits, not the caching allocator's frees: it cannot check ``record_stream``
+(the CPU model's free check does).
 """
 from __future__ import annotations
 
@@ -36,8 +45,9 @@ def sanitizer_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseR
         if not cuda_sanitizer.enabled:
             enable_cuda_sanitizer()
     init_fake_world(res)
-    variants = {"zero3": None, "host": {"cache_device": "host"},
-                "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"}}
+    flat = {"param_gather": "flat"}  # [Note: the sanitizer and the two-stage gather]
+    variants = {"zero3": None, "host": {"cache_device": "host", **flat},
+                "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host", **flat}}
     errors: dict[str, str] = {}
     with fake_node_discovery(ranks_per_node=2):
         for name, extra in variants.items():
@@ -47,7 +57,8 @@ def sanitizer_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseR
                 errors[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-4000:]}"
             torch.cuda.synchronize() if on_gpu else None
     why = "" if on_gpu else "CPU accelerator: no CUDA streams to sanitize"
-    res.numbers.update(hidden=hidden, layers=layers, steps=steps, errors=errors)
+    res.numbers.update(hidden=hidden, layers=layers, steps=steps, errors=errors, param_gather="flat",
+                       not_checked=["the two-stage gather (param_gather: hierarchical)", "record_stream (frees)"])
     res.check("zero3: ran (a race in DeepSpeed's own code is reported, not counted against FCDP)", True,
               errors.get("zero3", "")[:300])
     for name in ("host", "node_host"):

@@ -154,6 +154,15 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
             entry.ready = None
 
         patches.set(NodeCache, "_fill", _fill)
+    elif kind == "fill_producer":  # the fill stream does not wait for the releasing stream (the gathered values)
+        patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_fill") else wait_event(ev))
+    elif kind == "fill_record_stream":  # the gathered source freed without record_stream on the fill stream
+        patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_fill") else record_stream(t))
+    elif kind == "residual_ready":  # the reduce stream does not wait for a residual's copy to the accelerator
+        patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_grad_residual" and not _stream_named(
+            "fcdp_grad_residual") else wait_event(ev))
+    elif kind == "residual_value":  # the residual stream does not wait for the new residual (reduce stream)
+        patches.set(door, "wait_event", lambda ev: None if _stream_named("fcdp_grad_residual") else wait_event(ev))
     elif kind == "staged_event":  # the all-gather stream does not wait for the staged copies
         patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_param_h2d" and not _stream_named(
             "fcdp_param_h2d") else wait_event(ev))
@@ -191,6 +200,30 @@ def _stage1_not_ordered(stream, event) -> None:
 _ORIGINAL_WAIT_EVENT = strict_streams.FakeStream.wait_event
 
 
+def _optimizer_event_probe(engine, broken: bool) -> list[str]:
+    """[Note: the optimizer's writes] in-process on every rank, right after a step: the optimizer's kind of write
+    to one parameter's ``ds_tensor`` on the default stream, then the step-end event (``FCDPRuntime.on_step_end``;
+    ``broken``: none), then FCDP's two-stage gather of that miss issued from an all-gather stream, with no host
+    wait between (in the training runs, host reads at the step's end order the two anyway). Violations found."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    model = strict_streams.MODEL
+    runtime = engine.optimizer.fcdp
+    param = next(p for p in engine.module.parameters()
+                 if p.ds_status is ZeroParamStatus.NOT_AVAILABLE and p.ds_secondary_tensor is None and p.requires_grad)
+    mark = len(model.violations)
+    param.ds_tensor.data.mul_(1.0)  # the optimizer's write of the partition (same values), on the default stream
+    runtime.gather.stepped = None if broken else device.record_event()
+    issuing = model.new_stream("ds_allgather_probe")
+    with model.on(issuing):
+        handle = runtime.gather.issue([param])
+        handle.wait()
+    device.wait_stream(issuing)
+    param.partition(has_been_updated=False)  # released as after a fetch (the release hook fills its slot)
+    gc.collect()
+    get_accelerator().synchronize()
+    return model.violations[mark:]
+
+
 def _run_broken(sc: dict, breaks: list[str]) -> dict:
     """One FCDP run of ``sc``: step 1 clean, step i + 2 without ordering ``breaks[i]``; violations per step."""
     model = strict_streams.MODEL
@@ -201,6 +234,10 @@ def _run_broken(sc: dict, breaks: list[str]) -> dict:
     try:
         for kind in ["clean"] + list(breaks):
             mark = len(model.violations)
+            if kind == "optimizer_event":  # a probe after the clean steps, not a step of its own
+                found["optimizer_event_clean"] = _optimizer_event_probe(engine, broken=False)
+                found[kind] = _optimizer_event_probe(engine, broken=True)
+                continue
             if kind != "clean":
                 broken_ordering(kind, patches)
             try:

@@ -398,3 +398,26 @@ def fp16_window(steps: int = 4, grad_accum: int = 4, scale_power: int = 16, scal
         res["modes"] = (stats.get("grad_reduce"), stats.get("grad_accumulation"))
         out[name] = res
     return out
+
+
+def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ranks_per_node: int) -> dict:
+    """The gradient modes on NCCL's branch (``reduce_scatter_tensor``, ``FCDP_FORCE_REDUCE_SCATTER=1``) instead of
+    gloo's all-to-all: fp32 and bf16 boundary errors against the float64 reference, and how many of FCDP's stage
+    reductions took each branch (the forced one ran)."""
+    from fcdp_deepspeed.grads.collectives import StageCollectives
+    os.environ["FCDP_FORCE_REDUCE_SCATTER"] = "1"
+    branches = {"reduce_scatter_tensor": 0, "all_to_all": 0}
+    original = StageCollectives._scatter_sum
+
+    def counted(self, inp, group, parts):
+        branches["all_to_all" if self.use_alltoall else "reduce_scatter_tensor"] += 1
+        return original(self, inp, group, parts)
+
+    StageCollectives._scatter_sum = counted
+    try:
+        fp32 = _errors_by_mode(scenarios, ranks_per_node, "", reference_errors)
+        bf16 = _errors_by_mode(bf16_scenarios, ranks_per_node, "", bf16_errors)
+    finally:
+        StageCollectives._scatter_sum = original
+        os.environ.pop("FCDP_FORCE_REDUCE_SCATTER", None)
+    return {"fp32": fp32, "bf16": bf16, "branches": branches}
