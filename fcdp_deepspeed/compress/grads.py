@@ -186,25 +186,24 @@ class GradCompressor:
         return {"format": FORMAT, "fingerprint": self.fingerprint(), "residual": flat, "scales": scales}
 
     def load(self, part: Optional[dict]) -> None:
-        self.clips = {}
         if part is not None and part.get("format") == FORMAT and part.get("fingerprint") == self.fingerprint():
+            self.clips = {}
             return self.store.restore(part["residual"], part["scales"])
-        self.store.restore(None, [])
-        self.counters.bump(zeroed_loads=1)
-        if dist.get_rank() == 0:
-            from deepspeed.utils import logger
-            why = "was written without grad_compression" if part is None else "holds residuals of another setting"
-            logger.info(f"fcdp: the checkpoint {why} (codec, block, layout or budget): error-feedback residuals "
-                        f"start from zero")
+        why = "was written without grad_compression" if part is None else "holds residuals of another setting"
+        self._zero(f"the checkpoint {why} (codec, block, layout or budget)")
 
     def reset(self, why: str) -> None:
-        """Weights rewritten without an optimizer state (``why``): the committed residuals start from zero (a
-        window's pending ones stay, [Note: residual commit]); counted as a zeroed load."""
+        """Weights rewritten without an optimizer state (``why``): the committed residuals (and their clip
+        coefficients) start from zero (a window's pending ones stay, [Note: residual commit])."""
+        self._zero(f"{why} without the optimizer state")
+
+    def _zero(self, why: str) -> None:
+        self.clips = {}
         self.store.restore(None, [])
         self.counters.bump(zeroed_loads=1)
         if dist.get_rank() == 0:
             from deepspeed.utils import logger
-            logger.info(f"fcdp: {why} without the optimizer state: error-feedback residuals start from zero")
+            logger.info(f"fcdp: {why}: error-feedback residuals start from zero")
 
     # -- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -212,8 +211,7 @@ class GradCompressor:
         r2, x2 = device.small_to_host(self._step_sq) if self._step_sq is not None else (0.0, 0.0)
         return {
             "grad_compression": self.codec.name,
-            "grad_compressed_inter_node_bytes": c.compressed_bytes,
-            "grad_compressed_exchanges": c.exchanges,
+            "grad_compressed_inter_node_bytes": c.compressed_bytes, "grad_compressed_exchanges": c.exchanges,
             "grad_residual_host_bytes": store.nbytes if store.device == "host" else 0,
             "grad_residual_device_bytes": store.nbytes if store.device == "device" else 0,
             "grad_residual_params": len(store.offsets),
@@ -221,8 +219,7 @@ class GradCompressor:
             "grad_residual_norm": r2 ** 0.5,
             "grad_quantized_norm": x2 ** 0.5,
             "grad_residual_rel_norm": (r2 / x2) ** 0.5 if x2 > 0 else 0.0,
-            "grad_residual_restores": c.restores,
-            "grad_residual_discards": c.discards,
+            "grad_residual_restores": c.restores, "grad_residual_discards": c.discards,
             "grad_residual_zeroed_loads": c.zeroed_loads,
         }
 
