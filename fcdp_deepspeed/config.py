@@ -199,6 +199,12 @@ class FCDPConfig(DeepSpeedConfigModel):
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
 
+    param_push_bytes: int = Field(2**30, ge=0)
+    """With the hierarchical gather on a host-communication backend (gloo): at the end of each optimizer step,
+    stage 1 (the inter-node hop) of the next window's misses starts at once, asynchronously, so it crosses while
+    the step ends and the forward runs; at most this many bytes of host buffers (full parameter sizes) are in
+    flight. ``0`` turns it off. Values are unchanged (docs/BENCHMARKS.md, "the step's timeline")."""
+
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
     param_refresh_interval: int = Field(100, ge=0)

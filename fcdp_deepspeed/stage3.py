@@ -41,7 +41,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, grads, strict_device, timeline
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
@@ -91,6 +91,8 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         strict_device.configure_from_env()  # FCDP_STRICT_DEVICE=1: the CPU test suite's strict door
         #: This engine's collectives from its creation on, with or without the cache (see get_stats).
         self.fcdp_comm = CommCounters()
+        #: Host seconds per phase of inter-node work (``timeline.py``; ``get_stats``' ``timeline_*``).
+        self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, init_optimizer, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
@@ -111,8 +113,12 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             super().independent_gradient_partition_epilogue()
 
     def step(self, closure=None):
-        with self._attributed():
+        with self._attributed(), timeline.waiting(timeline.Phase.OPTIMIZER_STEP, self.fcdp_clock):
             return super().step(closure)
+
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        with timeline.waiting(timeline.Phase.GRAD_BUCKET, self.fcdp_clock):
+            return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
 
 
 class CompressionSteps:
@@ -217,7 +223,8 @@ class FCDPStage3(CompressionSteps, CountedStage3):
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm,
+                                clock=self.fcdp_clock).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
@@ -231,7 +238,8 @@ class FCDPStage3(CompressionSteps, CountedStage3):
     def independent_gradient_partition_epilogue(self) -> None:
         super().independent_gradient_partition_epilogue()
         if self.fcdp_grads is not None and ds_compat.is_boundary(self):
-            self._flush_node_buffer()
+            with timeline.waiting(timeline.Phase.GRAD_BUCKET, self.fcdp_clock):
+                self._flush_node_buffer()
 
     def step(self, closure=None):
         if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
@@ -357,6 +365,7 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
     def __init__(self, module, *args, **kwargs) -> None:
         strict_device.configure_from_env()
         self.fcdp_comm = CommCounters()
+        self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
@@ -384,7 +393,8 @@ class FCDPZeROOffload(CountedZeROOffload):
             return super()._attach(module, ds_config)
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
-        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm,
+                                clock=self.fcdp_clock).activate()
         announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.

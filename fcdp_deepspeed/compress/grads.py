@@ -24,7 +24,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, timeline
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
@@ -82,7 +82,12 @@ class GradCompressor:
         return out  # type: ignore[return-value]
 
     def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
-        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions."""
+        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions
+        (timed as the codec's phase, its all-to-all as the inter-node stage: ``timeline.py``)."""
+        with timeline.waiting(timeline.Phase.CODEC):
+            return self._exchange(node_sums, ds_ids)
+
+    def _exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
         scale = self.loss_scale()
@@ -103,7 +108,8 @@ class GradCompressor:
             offset += p
         self.store.writes_done()
         recv = torch.empty_like(packed)
-        dist.all_to_all_single(recv, packed, group=self.peer_group)
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            dist.all_to_all_single(recv, packed, group=self.peer_group)
         rows = self.codec.decode_rows(recv, left.shape[1])
         total = rows[0].clone()
         for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
