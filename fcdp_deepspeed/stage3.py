@@ -52,6 +52,7 @@ from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+_BUCKET = timeline.Phase.GRAD_BUCKET  # a gradient bucket's (or the window flush's) host time (timeline.py)
 assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
 
 
@@ -104,6 +105,9 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
     def _attributed(self):
         return LEDGER.attribute(self.fcdp_comm)
 
+    def _timed(self, phase: timeline.Phase):
+        return timeline.waiting(phase, self.fcdp_clock)
+
     def reduce_ready_partitions_and_remove_grads(self, param) -> None:
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
             super().reduce_ready_partitions_and_remove_grads(param)
@@ -113,11 +117,11 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             super().independent_gradient_partition_epilogue()
 
     def step(self, closure=None):
-        with self._attributed(), timeline.waiting(timeline.Phase.OPTIMIZER_STEP, self.fcdp_clock):
+        with self._attributed(), self._timed(timeline.Phase.OPTIMIZER_STEP):
             return super().step(closure)
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
-        with timeline.waiting(timeline.Phase.GRAD_BUCKET, self.fcdp_clock):
+        with self._timed(_BUCKET):
             return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
 
 
@@ -222,9 +226,8 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         if not fcdp_config.enabled:  # FCDPStage3 built directly with a disabled block: plain, counted
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
-        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
-                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm,
-                                clock=self.fcdp_clock).activate()
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
@@ -238,8 +241,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
     def independent_gradient_partition_epilogue(self) -> None:
         super().independent_gradient_partition_epilogue()
         if self.fcdp_grads is not None and ds_compat.is_boundary(self):
-            with timeline.waiting(timeline.Phase.GRAD_BUCKET, self.fcdp_clock):
-                self._flush_node_buffer()
+            self._flush_node_buffer()
 
     def step(self, closure=None):
         if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
@@ -302,7 +304,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         # DeepSpeed 0.16.9-0.19.8 refuse with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
         stream = self.reduce_and_partition_stream
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream):
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream), self._timed(_BUCKET):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
                 self.partition_grads(params, parts)
         # [Note: flush ordering] The step reads the partitions on the current stream: ordering it after the
