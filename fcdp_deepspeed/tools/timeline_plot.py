@@ -32,8 +32,24 @@ def bars(rows: list[dict], rate: float) -> list[dict]:
         rest = max(0.0, r["step_time_s"] - sum(waits.values()))
         limit = max(r["compute_s"], r["wire_s"]) if r.get("compute_s") is not None else None
         label = f"{r['engine']}, GA {r.get('grad_accum', 1)}, {r.get('regime', 'large')}"
-        out.append({"label": label, "segments": {**waits, "other": rest}, "step": r["step_time_s"], "limit": limit})
+        out.append({"key": (r["engine"], r.get("grad_accum", 1), r.get("regime", "large")), "label": label, "segments": {**waits, "other": rest}, "step": r["step_time_s"], "limit": limit})
     return sorted(out, key=lambda b: b["label"])
+
+
+def markdown(rows: list[dict], rate: float) -> str:
+    """The bars of :func:`bars` as a table: step, its limit's parts, step / limit, and each phase's seconds."""
+    by = {(r["engine"], r.get("grad_accum", 1), r.get("regime", "large")): r for r in rows
+          if not r.get("computed") and r["rate_mbit"] == rate}
+    head = "| engine, GA, regime | step (s) | compute (s) | wire (s) | step / max(compute, wire) | " + \
+        " | ".join(label for _, label, _ in PHASES) + " | rest (s) |"
+    lines = [head, "|" + "---|" * (6 + len(PHASES))]
+    for b in bars(rows, rate):
+        r = by[b["key"]]
+        ratio = "-" if r.get("step_vs_floor") is None else f"{r['step_vs_floor']:.2f}x"
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| {b['label']} | {b['step']:.3f} | {fmt(r.get('compute_s'))} | {fmt(r.get('wire_s'))} | {ratio} | "
+                     + " | ".join(f"{b['segments'][k]:.3f}" for k, _, _ in PHASES) + f" | {b['segments']['other']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path, rate: float, title: Optional[str] = None) -> None:
@@ -69,6 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rows = [r for f in args.results for r in json.loads(Path(f).read_text())["rows"]]
     plot(rows, Path(args.out), args.rate)
+    print(markdown(rows, args.rate))
     return 0
 
 
