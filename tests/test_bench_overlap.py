@@ -37,8 +37,12 @@ def test_the_run_ahead_changes_no_value_and_no_byte(name):
             continue
         before = by[(rate, ga, "fcdp_node_nopush")]
         assert after["losses"] == before["losses"]  # bit for bit, every micro-step
+        # counted at issue: the same collectives and bytes; the kernel's counters are read between barriers, and
+        # the last timed step's push is still crossing when they are (the bench's own counted/kernel bound: 5%)
+        assert after["counted_inter_node_bytes_per_step"] == pytest.approx(before["counted_inter_node_bytes_per_step"],
+                                                                           rel=0.01)
         assert after["kernel_inter_node_bytes_per_step"] == pytest.approx(before["kernel_inter_node_bytes_per_step"],
-                                                                          rel=0.01)
+                                                                          rel=0.05)
         assert after["timeline_s"]["push_wait"] > 0 and before["timeline_s"]["push_wait"] == 0
 
 
