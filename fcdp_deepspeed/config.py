@@ -198,6 +198,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
+    param_push_bytes: int = Field(2**30, ge=0)  # docs/configuration.md; runtime/runahead.py
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
@@ -255,9 +256,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
         """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,
         where both stages would be one) resolve to ``flat``."""
-        if num_nodes > 1 and ranks_per_node > 1 and self.param_gather != "flat":
-            return "hierarchical"
-        return "flat"
+        return "hierarchical" if num_nodes > 1 and ranks_per_node > 1 and self.param_gather != "flat" else "flat"
 
     def resolved_log_interval(self, steps_per_print: Any) -> int:
         """``log_interval``, or its default given DeepSpeed's ``steps_per_print`` (see the field)."""

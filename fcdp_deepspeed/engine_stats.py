@@ -36,6 +36,9 @@ def stats_of(optimizer: Any) -> dict:
         if "grad_compressed_inter_node_bytes" in out:  # grad_compression: what of the inter-node stage crossed exact
             out["grad_exact_inter_node_bytes"] = out["inter_node_grad_reduce_bytes"] - out["grad_compressed_inter_node_bytes"]
     out.setdefault("fcdp_enabled", True)
+    clock = getattr(optimizer, "fcdp_clock", None)
+    if clock is not None:  # plain engines too: their gradient buckets and step (timeline.py)
+        out.update(clock.stats())
     out["engine_counted"] = hasattr(optimizer, "fcdp_comm")
     comm = getattr(optimizer, "fcdp_comm", None)
     out["node_layout_source"] = LEDGER.layout_for(comm)[1] if comm is not None else LEDGER.layout_source

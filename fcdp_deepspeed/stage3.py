@@ -43,7 +43,7 @@ from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import announce, device, ds_compat, faults, grads, strict_device
+from fcdp_deepspeed import announce, device, ds_compat, faults, grads, strict_device, timeline
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
@@ -54,6 +54,7 @@ from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
 
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 _AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+_BUCKET = timeline.Phase.GRAD_BUCKET  # a gradient bucket's (or the window flush's) host time (timeline.py)
 assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
 
 
@@ -93,6 +94,8 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         strict_device.configure_from_env()  # FCDP_STRICT_DEVICE=1: the CPU test suite's strict door
         #: This engine's collectives from its creation on, with or without the cache (see get_stats).
         self.fcdp_comm = CommCounters()
+        #: Host seconds per phase of inter-node work (``timeline.py``; ``get_stats``' ``timeline_*``).
+        self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, init_optimizer, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
@@ -104,6 +107,9 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
     def _attributed(self):
         return LEDGER.attribute(self.fcdp_comm)
 
+    def _timed(self, phase: timeline.Phase):
+        return timeline.waiting(phase, self.fcdp_clock)
+
     def reduce_ready_partitions_and_remove_grads(self, param) -> None:
         with self._attributed(), LEDGER.tagged(GRAD_FAMILY):
             super().reduce_ready_partitions_and_remove_grads(param)
@@ -113,8 +119,12 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
             super().independent_gradient_partition_epilogue()
 
     def step(self, closure=None):
-        with self._attributed():
+        with self._attributed(), self._timed(timeline.Phase.OPTIMIZER_STEP):
             return super().step(closure)
+
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        with self._timed(_BUCKET):
+            return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
 
 
 class CompressionSteps:
@@ -231,7 +241,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         if not fcdp_config.enabled:  # FCDPStage3 built directly with a disabled block: plain, counted
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
-        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
@@ -309,7 +319,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
         # DeepSpeed 0.16.9-0.19.8 refuse with reduce_scatter, the only path the reducer serves) and for expert-parallel
         # groups (not the DP group, so never buffered): the flushed sums are final as they are.
         stream = self.reduce_and_partition_stream
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream):
+        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream), self._timed(_BUCKET):
             for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
                 self.partition_grads(params, parts)
         # [Note: flush ordering] The step reads the partitions on the current stream: ordering it after the
@@ -371,6 +381,7 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
     def __init__(self, module, *args, **kwargs) -> None:
         strict_device.configure_from_env()
         self.fcdp_comm = CommCounters()
+        self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, *args, **kwargs)
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
@@ -398,7 +409,8 @@ class FCDPZeROOffload(CountedZeROOffload):
             return super()._attach(module, ds_config)
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
-        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm).activate()
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm,
+                                clock=self.fcdp_clock).activate()
         announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.

@@ -438,7 +438,24 @@ def format_stats_line(stats: dict, previous: Optional[dict] = None) -> str:
             f"{fmt_bytes(per['intra_node_grad_reduce_bytes'])} (bytes this rank received); cache hit rate {rate} "
             f"({per['cache_hits']:g} hits, {per['cache_misses']:g} misses per step); cache slots {fmt_bytes(slots)} "
             f"per rank (host {fmt_bytes(stats.get('host_slot_bytes', 0))}, device "
-            f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}" + _compression_part(stats))
+            f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}" + _compression_part(stats)
+            + _timeline_part(stats, prev, steps))
+
+
+#: The ``[fcdp]`` line's timeline phases (``timeline.Phase`` values) and their short names.
+_TIMELINE_LINE = (("forward_gather", "forward gather"), ("backward_refill", "backward refill"),
+                  ("grad_node_stage", "grad node stage"), ("grad_inter_node", "grad inter-node"),
+                  ("grad_bucket", "grad other"), ("codec", "codec"), ("push_wait", "push wait"),
+                  ("optimizer_step", "step"))
+
+
+def _timeline_part(stats: dict, prev: dict, steps: int) -> str:
+    """The line's host seconds per step and phase over the interval (``timeline.py``; empty without a timeline)."""
+    if "timeline_view" not in stats:
+        return ""
+    parts = [f"{label} {(stats.get(f'timeline_{k}_s', 0.0) - prev.get(f'timeline_{k}_s', 0.0)) / steps:.3f}"
+             for k, label in _TIMELINE_LINE]
+    return f"; host s/step ({stats['timeline_view']} view): " + ", ".join(parts)
 
 
 def _compression_part(stats: dict) -> str:

@@ -40,7 +40,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device, faults
+from fcdp_deepspeed import device, faults, timeline
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
@@ -106,7 +106,12 @@ class GradCompressor:
         return out  # type: ignore[return-value]
 
     def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
-        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions."""
+        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions
+        (timed as the codec's phase, its all-to-all as the inter-node stage: ``timeline.py``)."""
+        with timeline.waiting(timeline.Phase.CODEC):
+            return self._exchange(node_sums, ds_ids)
+
+    def _exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
         scale, me, exact_own = self.loss_scale(), self.me, not faults.compression_broken("own_row")
@@ -131,7 +136,8 @@ class GradCompressor:
             offset += p
         self.store.writes_done()
         recv = torch.empty_like(packed)
-        dist.all_to_all_single(recv, packed, group=self.peer_group)
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            dist.all_to_all_single(recv, packed, group=self.peer_group)
         rows = self.codec.decode_rows(recv, left.shape[1])
         if exact_own:
             rows[me] = x[me]  # what this rank sent itself, exact (residual-free: it never had one)

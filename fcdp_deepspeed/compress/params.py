@@ -31,7 +31,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device, faults
+from fcdp_deepspeed import device, faults, timeline
 from fcdp_deepspeed.cache import Placement
 from fcdp_deepspeed.compress.quant import Codec
 from fcdp_deepspeed.compress.reference import CompressionCounters, ReferenceStore, RefState
@@ -151,7 +151,12 @@ class ParamCompression:
 
     def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
         """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
-        the gather stream (see [Note: the compressed stage 1])."""
+        the gather stream (see [Note: the compressed stage 1]); timed as the codec's phase, its collective
+        as the fetch's (``timeline.py``)."""
+        with timeline.waiting(timeline.Phase.CODEC):
+            self._stage1(params, bundle, part, group)
+
+    def _stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
         codec, nodes, me = self.codec, self.nodes, self.peer_index
         refs = [self.store.get(p) for p in params]
         sizes = [p.ds_tensor.ds_numel for p in params]
@@ -173,7 +178,7 @@ class ParamCompression:
         own = packed.narrow(0, me * stride, stride)
         own.zero_()
         own.narrow(0, 0, wire).copy_(codec.encode(delta))
-        with LEDGER.tagged(PARAM_COMPRESSED):
+        with LEDGER.tagged(PARAM_COMPRESSED), timeline.waiting(timeline.fetch_phase()):
             dist.allgather_fn(packed, own, group=group, async_op=False)  # ordered on the gather stream
         errors, norms = [], []
         for peer in range(nodes):  # one decoded message at a time: P fp32 elements of scratch, not N x P

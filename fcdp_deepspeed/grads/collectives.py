@@ -8,7 +8,7 @@ import torch
 from deepspeed import comm as dist
 
 import deepspeed.comm.comm as _comm_module
-from fcdp_deepspeed import faults
+from fcdp_deepspeed import faults, timeline
 from fcdp_deepspeed.grads.layout import ReduceLayout
 
 
@@ -47,17 +47,19 @@ class StageCollectives:
 
     def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
-        return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
+        with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
+            return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
 
     def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                      window_sums: bool = False) -> list[torch.Tensor]:
         """Stage 2 of the parameters ``ds_ids``: :meth:`inter_node`, or quantized with error feedback where
         ``fcdp.grad_compression`` holds a residual for them ([Note: the compressed exchange]: it encodes the
         accumulation-dtype sums, so no fp16 cast of a window sum arises there)."""
-        if self.compressor is None:
-            return self.inter_node(node_sums, comm_dtype, window_sums)
-        exact = lambda sums: self.inter_node(sums, comm_dtype, window_sums)  # noqa: E731
-        return self.compressor.inter_node(node_sums, ds_ids, exact)
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            if self.compressor is None:
+                return self.inter_node(node_sums, comm_dtype, window_sums)
+            exact = lambda sums: self.inter_node(sums, comm_dtype, window_sums)  # noqa: E731
+            return self.compressor.inter_node(node_sums, ds_ids, exact)
 
     def wire_dtype(self, comm_dtype: torch.dtype, window_sums: bool) -> torch.dtype:
         """The dtype stage 2 sends.

@@ -49,7 +49,9 @@ from fcdp_deepspeed.runtime.invalidation import Invalidation
 from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
+from fcdp_deepspeed.runtime.runahead import RunAhead, build_runahead
 from fcdp_deepspeed.stats import CacheCounters, CommCounters
+from fcdp_deepspeed.timeline import PhaseClock
 from fcdp_deepspeed.topology import Topology
 
 __all__ = ["FCDPRuntime", "StaleCacheError"]
@@ -60,7 +62,7 @@ class FCDPRuntime:
 
     def __init__(self, config: FCDPConfig, ds_config: Mapping[str, Any], module: torch.nn.Module, dp_group: Any,
                  optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
-                 comm: Optional[CommCounters] = None) -> None:
+                 comm: Optional[CommCounters] = None, clock: Optional[PhaseClock] = None) -> None:
         self.config = config
         self.ds_config = ds_config
         self.module = module
@@ -71,6 +73,8 @@ class FCDPRuntime:
         #: Shared by the parts: cache events (hits, fills, invalidations, steps) and this engine's collectives.
         self.counters = CacheCounters()
         self.comm = comm if comm is not None else CommCounters()
+        #: Host seconds per phase of inter-node work (``timeline.py``), the engine's.
+        self.clock = clock if clock is not None else PhaseClock()
         monitor = latest_monitor()  # the engine being built created it just before this optimizer
         self.monitor = monitor if monitor is not None and monitor.enabled else None
         # The parts, built by activate().
@@ -84,6 +88,7 @@ class FCDPRuntime:
         #: ``fcdp.param_compression`` (``None``: off or not applicable) and its checkpoint part.
         self.compression: Optional[ParamCompression] = None
         self.compression_state: Optional[ReferenceCheckpoint] = None
+        self.runahead: Optional[RunAhead] = None
 
     @property
     def topology(self) -> Optional[Topology]:
@@ -118,14 +123,23 @@ class FCDPRuntime:
             for hook in self.attachment.hooks:
                 hook.listeners.append(self.compression.store.on_partition)
         batcher = MissBatcher(cache, gather, self.counters, self.config.miss_batch_bytes) if gather is not None else None
-        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher)
+        self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher,
+                               clock=self.clock)
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
+        self.runahead = build_runahead(self.config, gather, self.clock)
+        if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
+            self.invalidation.listeners.append(self.runahead.cancel)
+            for hook in self.attachment.hooks:
+                hook.listeners.append(self.runahead.on_partition)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
-                             self.monitor, promotion=self.promotion)
+                             self.monitor, promotion=self.promotion, clock=self.clock)
+        extras = [part.stats for part in (self.runahead, ) if part is not None]
         if self.compression is not None:
-            self.report.extra = lambda: self.compression.stats(self.comm)
+            extras.append(lambda: self.compression.stats(self.comm))
+        if extras:
+            self.report.extra = lambda: {k: v for extra in extras for k, v in extra().items()}
         return self
 
     # -- events (``stage3.py`` says which DeepSpeed event calls each) ---------------------------
@@ -161,6 +175,8 @@ class FCDPRuntime:
         self.counters.bump(optimizer_steps=1)
         if self.gather is not None:  # [Note: the optimizer's writes] (runtime/gather.py)
             self.gather.stepped = device.record_event()
+        if self.runahead is not None:
+            self.runahead.push()  # after the step's invalidation: the next window's stage 1 starts now
         self.promotion.on_step_end()
         if self.compression is not None:
             self.compression.store.on_step_end()

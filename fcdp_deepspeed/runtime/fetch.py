@@ -31,12 +31,13 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles, ZeroParamStatus
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed import device, timeline
 from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.routing import Route, split_fetch
 from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
+from fcdp_deepspeed.timeline import PhaseClock
 
 
 class StaleCacheError(RuntimeError):
@@ -126,6 +127,18 @@ class _VerifyingHandle:
                     f"triggered it.")
 
 
+class _TimedHandle:
+    """Times a fetch handle's ``wait`` as the fetch's phase (forward gather or backward refill, ``timeline.py``)."""
+
+    def __init__(self, handle: Any, clock: PhaseClock) -> None:
+        self.handle = handle
+        self.clock = clock
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        with timeline.waiting(timeline.fetch_phase(), self.clock):
+            self.handle.wait(handle_dependency=handle_dependency)
+
+
 @dataclass(eq=False)
 class FetchPath:
     """Serves one engine's gathers. Its only state is each entry's hit count (``entry.hits``), which
@@ -142,6 +155,8 @@ class FetchPath:
     batcher: Optional[MissBatcher] = None
     #: Parameters gathered in two stages so far (drives verify sampling of misses; identical on every rank).
     miss_gathers: int = 0
+    #: The engine's host seconds per phase: each fetch's issue and wait (``timeline.py``).
+    clock: Optional[PhaseClock] = None
 
     def wrap(self, param: torch.nn.Parameter) -> None:
         """Replace ``param``'s two gather entry points (once; the originals stay reachable)."""
@@ -156,12 +171,12 @@ class FetchPath:
             hits, checks = fetch.count_and_verify(params)
             handle = None
             if params:
-                with LEDGER.attribute(fetch.comm):
+                with LEDGER.attribute(fetch.comm), timeline.waiting(timeline.fetch_phase(), fetch.clock):
                     handle, miss_checks = fetch.issue(params, hits, original_coalesced, safe_mode, quantize)
                 checks += miss_checks
             if checks or empty:
-                return _VerifyingHandle(handle, checks, empty)
-            return handle
+                handle = _VerifyingHandle(handle, checks, empty)
+            return _TimedHandle(handle, fetch.clock) if handle is not None and fetch.clock is not None else handle
 
         def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
             rest, empty = _split_empty(list(param_list) if param_list is not None else [param])

@@ -60,6 +60,7 @@ from fcdp_deepspeed import device, ds_compat
 from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
+from fcdp_deepspeed.runtime.runahead import RunAhead
 from fcdp_deepspeed.topology import Topology, group_ranks
 
 
@@ -87,6 +88,8 @@ class HierarchicalGather:
     compression: Optional[ParamCompression] = None
     #: Event after the last optimizer step, on the stream it ran on ([Note: the optimizer's writes]).
     stepped: Any = None
+    #: ``fcdp.param_push_bytes``: stage 1 issued ahead at the step's end (``runahead.py``); ``None``: off.
+    runahead: Optional[RunAhead] = None
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -135,9 +138,9 @@ class HierarchicalGather:
         """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
         return self.compression is not None and self.compression.lossy(param)
 
-    def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
-        for p in params:
-            p.ds_status = ZeroParamStatus.INFLIGHT
+    def buffers(self, params: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(flat, bundle, mine, part)`` for a gather of ``params``: the W*P buffer with this rank's partitions
+        copied into its slot, its node-position bundle (stage 1's output) and its own slot (stage 1's input)."""
         layout, dtype = self.layout, params[0].ds_tensor.dtype
         part = sum(p.ds_tensor.ds_numel for p in params)
         nodes = layout.nodes
@@ -153,18 +156,32 @@ class HierarchicalGather:
             device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
             offset += p.ds_tensor.ds_numel
         bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
-        issuing = device.current_stream()
-        with device.stream(self.stream):  # [Note: streams]
-            device.wait_stream(issuing)  # the partition copies above
-            device.record_stream(flat)  # allocated on the issuing stream, written on this one
-            if lossy:
-                self.compression.stage1(params, bundle, part, self.peer_group)
-            else:
-                self._exact_stage1(params, bundle, mine, part)
+        return flat, bundle, mine, part
+
+    def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
+        runahead = self.runahead if not lossy else None
+        pending = runahead.take(params) if runahead is not None else None  # its stage 1 complete (runahead.py)
+        if runahead is not None:
+            runahead.record(params)
+        for p in params:
+            p.ds_status = ZeroParamStatus.INFLIGHT
+        if pending is not None:
+            flat, bundle, part = pending.flat, pending.bundle, pending.part
             stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
-        partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(layout.dp_size)]
+        else:
+            flat, bundle, mine, part = self.buffers(params)
+            issuing = device.current_stream()
+            with device.stream(self.stream):  # [Note: streams]
+                device.wait_stream(issuing)  # the partition copies above
+                device.record_stream(flat)  # allocated on the issuing stream, written on this one
+                if lossy:
+                    self.compression.stage1(params, bundle, part, self.peer_group)
+                else:
+                    self._exact_stage1(params, bundle, mine, part)
+                stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+        partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(self.layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
-                                        world_size=layout.dp_size)
+                                        world_size=self.layout.dp_size)
 
     def _exact_stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int) -> None:
         if self.compression is None:

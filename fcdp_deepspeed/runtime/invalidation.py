@@ -6,8 +6,8 @@ decisions stay agreed (see [Note: threads] in ``fetch.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 
@@ -24,11 +24,20 @@ class Invalidation:
     optimizer_ids: frozenset[int]
     #: ``fcdp.keep_frozen``: frozen parameters the optimizer does not own survive a step.
     keep_frozen: bool
+    #: Called with the parameters of every event (before it is applied): the run-ahead's cancel (``runahead.py``).
+    listeners: list[Callable[[list], None]] = field(default_factory=list)
+
+    def _tell(self, params: Iterable[torch.nn.Parameter]) -> list:
+        params = list(params)
+        for listener in self.listeners:
+            listener(params)
+        return params
 
     def params(self, params: Iterable[torch.nn.Parameter], reason: str) -> int:
         """Drop the entries of ``params`` (those that have one); return how many were dropped."""
         if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=optimizer_write)
             return 0
+        params = self._tell(params)
         entries = [e for e in (self.cache.entry(p) for p in params) if e is not None]
         return self.cache.invalidate(entries, reason)
 
@@ -44,10 +53,12 @@ class Invalidation:
         stale = [e for e in self.cache.entries.values()
                  if (trainable and e.param.requires_grad) or e.param.ds_id in self.optimizer_ids
                  or not self.keep_frozen]
+        self._tell(e.param for e in stale)
         self.cache.invalidate(stale, "optimizer_step")
 
     def flush(self, reason: str) -> None:
         """Drop every entry (checkpoint events: frozen parameters may have been written too)."""
         if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=checkpoint)
             return
+        self._tell(e.param for e in self.cache.entries.values())
         self.cache.invalidate(list(self.cache.entries.values()), reason)

@@ -16,6 +16,7 @@ from fcdp_deepspeed.runtime.allocation import Allocation
 from fcdp_deepspeed.runtime.attach import Attachment
 from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
+from fcdp_deepspeed.timeline import PhaseClock
 
 
 def slot_bytes(cache: Any, placement: Placement) -> int:
@@ -41,6 +42,8 @@ class Report:
     promotion: Optional[Promotion] = None
     #: More keys from other parts (``fcdp.param_compression``'s), merged into :meth:`stats`.
     extra: Optional[Callable[[], dict]] = None
+    #: The engine's host seconds per phase (``timeline.py``), reported as ``timeline_*``.
+    clock: Optional[PhaseClock] = None
 
     def due(self) -> bool:
         """Whether this step boundary reports (the same on every rank)."""
@@ -100,6 +103,8 @@ class Report:
         }
         out.update(self.comm.snapshot())
         out["param_compression"] = "off"
+        if self.clock is not None:
+            out.update(self.clock.stats())
         if self.extra is not None:
             out.update(self.extra())
         return out

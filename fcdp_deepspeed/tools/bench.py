@@ -47,12 +47,14 @@ ENGINES = ("zero3", "hpz", "fcdp", "fcdp_node")
 JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
 FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
-               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"}}
+               "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
+               # issue 31's "before": fcdp_node without the run-ahead of stage 1 (runtime/runahead.py)
+               "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0}}
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", *COMPRESSED_ENGINES)
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", *COMPRESSED_ENGINES)
 
 
 @dataclass
@@ -123,6 +125,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
     from fcdp_deepspeed import ds_compat
     from fcdp_deepspeed.tools import toy
     from fcdp_deepspeed.tools.cluster import HEADER_BYTES
+    from fcdp_deepspeed import timeline
     from fcdp_deepspeed.stats import LEDGER
 
     s = BenchSpec(**spec)
@@ -163,6 +166,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "wire": sum(counted.wire.values()),
             "step_times": res.step_times,
             "peak_mem": get_accelerator().max_memory_allocated(),
+            "timeline": timeline.per_step(stats0, stats1, s.steps),
         }
         everyone: list = [None] * dist.get_world_size()
         ds_compat.all_gather_object(everyone, mine)
@@ -183,6 +187,9 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "host_cache_bytes_per_rank": stats1.get("host_pool_bytes", 0),
             "device_cache_bytes_per_rank": stats1.get("device_pool_bytes", 0),
             "peak_memory_bytes": max(r["peak_mem"] for r in everyone),
+            # host seconds per step and phase (timeline.py): rank 0's, and the largest over the ranks
+            "timeline_s": everyone[0]["timeline"],
+            "timeline_max_s": {k: max(r["timeline"][k] for r in everyone) for k in everyone[0]["timeline"]},
             "cache_hits": stats1["cache_hits"],
             "losses": warm.losses + res.losses,
             "params": sum(p.ds_numel for p in engine.module.parameters()),
@@ -220,6 +227,9 @@ def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
         if key in row:
             row[key] = statistics.fmean(r[key] for r in repeats)
     row["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in repeats)
+    for key in ("timeline_s", "timeline_max_s"):  # medians over the repeats, per phase
+        if all(key in r for r in repeats):
+            row[key] = {k: statistics.median(r[key][k] for r in repeats) for k in repeats[0][key]}
     row["losses_identical_across_repeats"] = all(r["losses"] == repeats[0]["losses"] for r in repeats)
     return row
 

@@ -1,0 +1,182 @@
+"""Run-ahead: stage 1 of the next window's misses, issued when the optimizer step ends (``fcdp.param_push_bytes``).
+
+[Note: the slow hop runs ahead]
+After a step every trainable parameter is a miss at its next fetch, and stage 1 of the two-stage gather (the
+inter-node all-gather among node peers, ``gather.py``) used to run inside that fetch, on the host on gloo,
+before the compute it could have overlapped. The partitions it sends (``ds_tensor``) are final once the step
+wrote them, so each rank issues stage 1 of every group the last window gathered in two stages, in the order it
+gathered them, asynchronously, right at the end of the step (``_post_step``, after the step's invalidation):
+the transfers cross while the host finishes the step, loads data and runs the forward's earlier modules. A
+fetch whose parameters (same ``ds_id`` set) have a pending stage 1 waits for that work (``push_wait`` in the
+timeline) and issues stage 2 (inside the node) from its buffer as before; anything else takes the normal path.
+
+Correctness:
+- *never read before complete*: stage 2 reads the bundle only after ``Work.wait`` of its stage 1
+  (``FCDP_BREAK_PUSH=read_early`` skips that wait: a test must then see wrong values);
+- *never read stale*: every invalidation event (``runtime/invalidation.py``'s three, and
+  ``partition(has_been_updated=True)``) cancels the pending groups of the parameters it names before anything
+  can read them (``FCDP_BREAK_PUSH=skip_invalidation`` ignores them: a test must see a stale value);
+- *agreement*: the trace is the sequence of two-stage gathers, identical on every rank (issued collectively,
+  in ``ds_id`` order); pushes happen at the same logical point (the step's end) and a pending group is used
+  only by a fetch of exactly its parameters, which every rank makes at the same point. The hit/miss decision is
+  unchanged (a pushed parameter is still a miss; its fill on release is the normal one). Cancelling waits for
+  the work (every rank issued it) and issues nothing.
+
+Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
+together (the host budget of the run-ahead; 0 turns it off). Host-communication backends only (gloo): on an
+accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
+``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
+With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its references are written in it).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from fcdp_deepspeed import timeline
+from fcdp_deepspeed.stats import EventCounters
+
+BREAK_ENV = "FCDP_BREAK_PUSH"
+#: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
+DELAY_ENV = "FCDP_PUSH_DELAY"
+BREAKS = ("read_early", "skip_invalidation")
+
+
+def push_broken(what: str) -> bool:
+    """Whether ``FCDP_BREAK_PUSH`` names ``what`` (test-only; read at every call)."""
+    value = os.environ.get(BREAK_ENV)
+    if not value:
+        return False
+    named = {v.strip() for v in value.split(",") if v.strip()}
+    if named - set(BREAKS):
+        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
+    return what in named
+
+
+def _push_delay() -> float:
+    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
+    return float(seconds) if rank and int(rank) == dist.get_rank() else 0.0
+
+
+@dataclass
+class RunAheadCounters(EventCounters):
+    pushed: int = 0
+    """Groups whose stage 1 was issued at a step's end."""
+    used: int = 0
+    """Pushed groups a fetch used."""
+    cancelled: int = 0
+    """Pushed groups dropped unused (an invalidation, a changed fetch pattern, the next push)."""
+    pushed_bytes: int = 0
+
+
+@dataclass(eq=False)
+class Pending:
+    """One group's stage 1 in flight: its buffers (``HierarchicalGather.buffers``) and the work."""
+
+    key: tuple[int, ...]
+    flat: torch.Tensor
+    bundle: torch.Tensor
+    part: int
+    work: Any
+
+
+@dataclass(eq=False)
+class RunAhead:
+    """One engine's run-ahead of stage 1 (see [Note: the slow hop runs ahead])."""
+
+    gather: Any  # HierarchicalGather (not imported: gather.py imports this module)
+    max_bytes: int
+    clock: Optional[timeline.PhaseClock] = None
+    counters: RunAheadCounters = field(default_factory=RunAheadCounters)
+    #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params.
+    trace: list = field(default_factory=list)
+    pending: dict = field(default_factory=dict)
+    #: Broken variant only: groups read before completion, kept alive until their work completes.
+    _unwaited: list = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def record(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """A two-stage exact gather of ``params`` (sorted by ``ds_id``) was issued: the next push repeats it."""
+        with self._lock:
+            self.trace.append((tuple(p.ds_id for p in params), list(params)))
+
+    def take(self, params: Sequence[torch.nn.Parameter]) -> Optional[Pending]:
+        """The pending stage 1 of exactly ``params``, complete (its work waited), or ``None``."""
+        with self._lock:
+            pending = self.pending.pop(tuple(p.ds_id for p in params), None)
+        if pending is None:
+            return None
+        if push_broken("read_early"):
+            self._unwaited.append(pending)  # test-only: stage 2 reads a bundle still being received
+        else:
+            with timeline.waiting(timeline.Phase.PUSH_WAIT, self.clock):
+                pending.work.wait()
+        self.counters.bump(used=1)
+        return pending
+
+    def push(self) -> None:
+        """At a step's end, after its invalidation: stage 1 of the last window's groups, in their order."""
+        self.cancel(None)
+        with self._lock:
+            trace, self.trace = self.trace, []
+        delay = _push_delay()
+        if delay:
+            time.sleep(delay)  # test-only skew (FCDP_PUSH_DELAY)
+        total = 0
+        for key, params in trace:
+            if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
+                                              p.ds_secondary_tensor is None for p in params):
+                continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
+            nbytes = sum(p.ds_tensor.ds_numel for p in params) * self.gather.layout.dp_size * params[0].element_size()
+            if total + nbytes > self.max_bytes:
+                break  # a prefix of the trace, in order, on every rank alike
+            total += nbytes
+            flat, bundle, mine, part = self.gather.buffers(params)
+            work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
+            with self._lock:
+                self.pending[key] = Pending(key, flat, bundle, part, work)
+        self.counters.bump(pushed=len(self.pending), pushed_bytes=total)
+
+    def cancel(self, params: Optional[Iterable[torch.nn.Parameter]]) -> None:
+        """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any."""
+        if params is not None and push_broken("skip_invalidation"):
+            return  # test-only: a push that survives an invalidation
+        with self._lock:
+            if params is None:
+                dropped, self.pending = list(self.pending.values()), {}
+            else:
+                ids = {p.ds_id for p in params}
+                dropped = [v for k, v in self.pending.items() if ids.intersection(k)]
+                for v in dropped:
+                    del self.pending[v.key]
+            dropped += self._unwaited
+            self._unwaited = []
+        for pending in dropped:  # every rank issued it: completes; nothing new is issued
+            pending.work.wait()
+        self.counters.bump(cancelled=len(dropped))
+
+    def on_partition(self, param: torch.nn.Parameter, has_been_updated: bool) -> None:
+        """``partition(has_been_updated=True)`` (``GatheredParameters`` edits): the partition changed."""
+        if has_been_updated:
+            self.cancel([param])
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"param_push_groups": c.pushed, "param_push_used": c.used, "param_push_cancelled": c.cancelled,
+                "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
+
+
+def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock]) -> Optional[RunAhead]:
+    """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead])."""
+    if gather is None or gather.stream is not None or gather.compression is not None or not config.param_push_bytes:
+        return None
+    gather.runahead = RunAhead(gather, config.param_push_bytes, clock)
+    return gather.runahead

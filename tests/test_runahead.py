@@ -1,0 +1,42 @@
+"""Stage 1 run ahead at the step's end (``fcdp.param_push_bytes``, runtime/runahead.py): bit-identical to ZeRO-3,
+never read before complete, never read stale; each broken variant changes the values."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from conftest import run_ranks
+
+
+@pytest.fixture(scope="module")
+def results():
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        return run_ranks("runahead:variants", 4, ckpt_dir=ckpt_dir)
+
+
+def test_runahead_bit_identical_to_zero3_and_used(results):
+    for r in results:
+        assert r["fcdp"]["losses"] == r["plain"]["losses"]
+        assert torch.equal(r["fcdp"]["out"], r["plain"]["out"]) and torch.equal(r["fcdp"]["out2"], r["plain"]["out2"])
+        s = r["fcdp"]["stats"]
+        assert s["param_push_used"] > 0 and s["param_push_groups"] >= s["param_push_used"]
+        assert s["param_push_cancelled"] >= 1  # the checkpoint load after a step
+        assert s["timeline_view"] == "host" and s["timeline_forward_gather_calls"] > 0
+
+
+def test_waits_for_the_late_peer(results):
+    """Rank 2 pushes 0.3 s late: its peer rank 0 waits in push_wait instead of reading early."""
+    s = results[0]["fcdp"]["stats"]
+    assert s["timeline_push_wait_s"] >= 0.2
+
+
+def test_reading_before_complete_changes_values(results):
+    assert any(r["read_early"]["losses"] != r["plain"]["losses"] for r in results)
+
+
+def test_a_push_that_skips_an_invalidation_is_stale(results):
+    for r in results:
+        assert r["skip_invalidation"]["losses"][:4] == r["plain"]["losses"][:4]  # before the load
+        assert not torch.equal(r["skip_invalidation"]["out"], r["plain"]["out"])

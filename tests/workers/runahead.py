@@ -1,0 +1,51 @@
+"""Workers of test_runahead.py: stage 1 run ahead at the step's end (``runtime/runahead.py``), correct and broken."""
+from __future__ import annotations
+
+import os
+
+import deepspeed
+from deepspeed import comm as dist
+
+import fcdp_deepspeed
+from fcdp_deepspeed.runtime import runahead
+from fcdp_deepspeed.tools import toy
+from workers.common import fcdp_block, forward, setup
+
+HIDDEN = 32
+
+
+def _edit_trainable(engine, delta: float) -> None:
+    """``GatheredParameters(modifier_rank=0)`` after a step: a weight whose stage 1 is already pushed changes."""
+    param = engine.module.blocks[1].fc.weight
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+        if dist.get_rank() == 0:
+            param.data.add_(delta)
+
+
+def _run(fcdp: bool, ckpt_dir: str, tag: str) -> dict:
+    cfg = toy.ds_config(fcdp_block() if fcdp else None, regime="large")
+    engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
+    # from the third step on nothing synchronizes the ranks between a push and its use (DeepSpeed's trace is complete)
+    losses = toy.train(engine, 3, hidden=HIDDEN).losses
+    engine.save_checkpoint(ckpt_dir, tag=tag)
+    losses += toy.train(engine, 1, hidden=HIDDEN, seed=2).losses
+    # a checkpoint load after a step: every pushed group now holds newer values than the weights (misses still)
+    engine.load_checkpoint(ckpt_dir, tag=tag)
+    out = forward(engine, HIDDEN)
+    losses += toy.train(engine, 1, hidden=HIDDEN, seed=3).losses
+    _edit_trainable(engine, 0.25)  # after a step: the edited weight's pushed group is cancelled
+    out2 = forward(engine, HIDDEN)
+    losses += toy.train(engine, 1, hidden=HIDDEN, seed=1).losses
+    return {"losses": losses, "out": out, "out2": out2, "stats": fcdp_deepspeed.get_stats(engine) if fcdp else {}}
+
+
+def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
+    """Plain ZeRO-3, FCDP with the run-ahead, and each broken variant; rank 2 pushes ``delay_s`` late (skew)."""
+    setup()
+    os.environ[runahead.DELAY_ENV] = f"2:{delay_s}"
+    out = {"plain": _run(False, ckpt_dir, "plain")}
+    for name, broken in (("fcdp", ""), ("read_early", "read_early"), ("skip_invalidation", "skip_invalidation")):
+        os.environ[runahead.BREAK_ENV] = broken
+        out[name] = _run(True, ckpt_dir, name)
+        os.environ[runahead.BREAK_ENV] = ""
+    return out
