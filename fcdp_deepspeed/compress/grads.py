@@ -211,23 +211,27 @@ class GradCompressor:
             from deepspeed.utils import logger
             logger.info(f"fcdp: {why}: error-feedback residuals start from zero")
 
-    # -- reporting ------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        c, store = self.counters, self.store
-        r2, x2 = device.small_to_host(self._step_sq) if self._step_sq is not None else (0.0, 0.0)
-        return {
-            "grad_compression": self.codec.name,
-            "grad_compressed_inter_node_bytes": c.compressed_bytes, "grad_compressed_exchanges": c.exchanges,
-            "grad_residual_host_bytes": store.nbytes if store.device == "host" else 0,
-            "grad_residual_device_bytes": store.nbytes if store.device == "device" else 0,
-            "grad_residual_params": len(store.offsets),
-            "grad_residual_left_out_bytes": self.left_out_bytes,
-            "grad_residual_norm": r2 ** 0.5,
-            "grad_quantized_norm": x2 ** 0.5,
-            "grad_residual_rel_norm": (r2 / x2) ** 0.5 if x2 > 0 else 0.0,
-            "grad_residual_restores": c.restores, "grad_residual_discards": c.discards,
-            "grad_residual_zeroed_loads": c.zeroed_loads,
-        }
+        return compressor_stats(self)
+
+
+def compressor_stats(compressor: "GradCompressor") -> dict:
+    """The ``grad_*`` keys of ``get_stats`` for one engine's compressor."""
+    c, store = compressor.counters, compressor.store
+    r2, x2 = device.small_to_host(compressor._step_sq) if compressor._step_sq is not None else (0.0, 0.0)
+    return {
+        "grad_compression": compressor.codec.name,
+        "grad_compressed_inter_node_bytes": c.compressed_bytes, "grad_compressed_exchanges": c.exchanges,
+        "grad_residual_host_bytes": store.nbytes if store.device == "host" else 0,
+        "grad_residual_device_bytes": store.nbytes if store.device == "device" else 0,
+        "grad_residual_params": len(store.offsets),
+        "grad_residual_left_out_bytes": compressor.left_out_bytes,
+        "grad_residual_norm": r2 ** 0.5,
+        "grad_quantized_norm": x2 ** 0.5,
+        "grad_residual_rel_norm": (r2 / x2) ** 0.5 if x2 > 0 else 0.0,
+        "grad_residual_restores": c.restores, "grad_residual_discards": c.discards,
+        "grad_residual_zeroed_loads": c.zeroed_loads,
+    }
 
 
 def clip_coefficient(norm: Any, clip_grad: float) -> Optional[torch.Tensor]:
