@@ -74,10 +74,13 @@ SCENARIOS = [
     dict(name="overflow_commit_on_skip", fcdp={**NODE, **INT8}, grad_accum=2, steps=4, overflow_at={2},
          record_residual=True, **{"break": "commit_on_skip"}),
     # the error-feedback invariant across checkpoint events inside windows (GA 2, at fixed weights): a save and a
-    # 16-bit consolidation after the first micro-step, under node accumulation (with the flush) and per-rank
-    *[dict(name=f"inv_{acc}", fcdp=mode, lr=0.0, grad_accum=2, steps=INV_STEPS, record_grads=True, **gate)
+    # 16-bit consolidation after the first micro-step, under node accumulation (with the flush) and per-rank;
+    # without clipping: with it, each step scales the residual it carries by its clip coefficient (CLIP below),
+    # so the sum telescopes only up to the (1 - clip) parts dropped
+    *[dict(name=f"inv_{acc}", fcdp=mode, lr=0.0, grad_accum=2, steps=INV_STEPS, record_grads=True, clip=0.0, **gate)
       for acc, mode, gate in (("node", NODE, {"gate": {1}}), ("hier", HIER, {}))],
     *[dict(name=f"inv_{acc}_int4", fcdp={**mode, **INT4}, lr=0.0, grad_accum=2, steps=INV_STEPS, record_grads=True,
+           clip=0.0,
            mid_window=MID_WINDOW, record_invariant=True, **gate, **brk)
       for acc, mode, gate, brk in (("node", NODE, {"gate": {1}}, {}), ("hier", HIER, {}, {}),
                                    ("hier_discard", HIER, {}, {"break": "discard_at_checkpoint"}))],

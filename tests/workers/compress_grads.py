@@ -114,7 +114,7 @@ def config(sc: dict) -> dict:
         type(get_accelerator()).is_fp16_supported = lambda self: True
     cfg = toy.ds_config(block, grad_accum=sc.get("grad_accum", 1), lr=sc.get("lr", 1e-2), dtype=dtype,
                         **sc.get("zero", {}))
-    if sc.get("clip"):
+    if "clip" in sc:  # 0.0: no clipping (DeepSpeed's default clips at 1.0)
         cfg["gradient_clipping"] = sc["clip"]
     return cfg
 
