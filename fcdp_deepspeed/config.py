@@ -21,6 +21,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from fcdp_deepspeed import ds_compat
 from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
 from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
+from fcdp_deepspeed.diloco.config import DiLoCoConfig, ds_problems as diloco_problems, parse_diloco
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
@@ -214,6 +215,15 @@ class FCDPConfig(DeepSpeedConfigModel):
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
     HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
 
+    diloco: Optional[DiLoCoConfig] = None
+    """**Lossy.** DiLoCo across nodes: exact ZeRO-3 inside each node, an outer Nesterov step over the nodes'
+    averaged pseudo-gradients every ``sync_every`` steps (docs/DILOCO.md). Absent: exact data parallelism."""
+
+    @field_validator("diloco", mode="before")
+    @classmethod
+    def _parse_diloco(cls, value: Any) -> Any:
+        return parse_diloco(value)
+
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
@@ -363,6 +373,11 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
 
     zero = get_zero_config(dict(ds_config))
     stage = int(zero.stage)
+    fcdp = parse_fcdp_config(ds_config)
+    if stage != 3 and fcdp.diloco is not None:
+        raise FCDPConfigError(f"fcdp.diloco needs ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}: each "
+                              f"node is one replica partitioned by ZeRO-3 over its ranks. Fix: set \"zero_optimization\": "
+                              f"{{\"stage\": 3}}, or remove fcdp.diloco.")
     if stage != 3:
         raise FCDPConfigError(f"fcdp requires ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}. "
                               f"Fix: set \"zero_optimization\": {{\"stage\": 3}} or set \"fcdp\": {{\"enabled\": false}}.")
@@ -370,7 +385,8 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_hpz_partition_size > 1:
         problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
                         "topology-derived node cache. Fix: remove zero_hpz_partition_size")
-    fcdp = parse_fcdp_config(ds_config)
+    if fcdp.diloco is not None:
+        problems += diloco_problems(fcdp, zero, ds_config)
     if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
         problems.append(f"fcdp.grad_compression = \"{fcdp.grad_compression}\" with zero_optimization.zero_quantized_gradients "
                         "(ZeRO++ qgZ): both quantize the gradient reduction, and qgZ bypasses the reduce-scatter FCDP "
