@@ -117,3 +117,8 @@ def one_node(**diloco) -> str:
     except Exception as err:  # noqa: BLE001 - the test checks the message
         return f"{type(err).__name__}: {err}"
     return "built"
+
+
+def core(**kwargs) -> dict:
+    """One launch for the core tests: :func:`train`, then :func:`data` on a second engine."""
+    return {**train(**kwargs), "data": data()}
