@@ -16,12 +16,10 @@ from typing import Any, Literal, Mapping, Optional, Union
 import hjson
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
 from fcdp_deepspeed import ds_compat
 from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
 from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
-from fcdp_deepspeed.diloco.config import DiLoCoConfig, ds_problems as diloco_problems, parse_diloco
+from fcdp_deepspeed.diloco.config import DiLoCoField, ds_problems as diloco_problems
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
@@ -124,7 +122,7 @@ def _refuse_flat_compression(data: Any) -> None:
                               "grad_compression to \"off\".")
 
 
-class FCDPConfig(DeepSpeedConfigModel):
+class FCDPConfig(DiLoCoField):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
     enabled: bool = False
@@ -215,14 +213,6 @@ class FCDPConfig(DeepSpeedConfigModel):
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
     HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
 
-    diloco: Optional[DiLoCoConfig] = None
-    """**Lossy.** DiLoCo across nodes: exact ZeRO-3 inside each node, an outer Nesterov step over the nodes'
-    averaged pseudo-gradients every ``sync_every`` steps (docs/DILOCO.md). Absent: exact data parallelism."""
-
-    @field_validator("diloco", mode="before")
-    @classmethod
-    def _parse_diloco(cls, value: Any) -> Any:
-        return parse_diloco(value)
 
     @model_validator(mode="before")
     @classmethod

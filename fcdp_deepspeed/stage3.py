@@ -46,7 +46,7 @@ from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
-from fcdp_deepspeed.diloco.hooks import DiLoCoSteps, build_layout
+from fcdp_deepspeed.diloco.hooks import DiLoCoSteps
 from fcdp_deepspeed.runtime import FCDPRuntime
 from fcdp_deepspeed.runtime.counting import count_plain_engine
 from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
@@ -195,8 +195,7 @@ class CompressionSteps:
 
 
 class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
-    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks), or, with
-    ``fcdp.diloco``, ZeRO-3 over each node and DiLoCo across nodes (``diloco/hooks.py``, no cache)."""
+    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (``fcdp.diloco``: diloco/hooks.py)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
         ds_config = load_ds_config(kwargs.get("ds_config"))
@@ -208,9 +207,6 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
         self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
         #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
         self.fcdp_state: CompressionState | None = None
-        if fcdp_config.enabled and fcdp_config.diloco is not None:  # each node one replica: ZeRO-3 over the node
-            self.fcdp_diloco_topology = build_layout(kwargs.get("dp_process_group"), fcdp_config.ranks_per_node)
-            kwargs = {**kwargs, "dp_process_group": self.fcdp_diloco_topology.group}
         super().__init__(module, init_optimizer, *args, **kwargs)
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -218,11 +214,8 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
 
     def _attach(self, module, ds_config: dict) -> None:
         fcdp_config = parse_fcdp_config(ds_config)
-        if not fcdp_config.enabled:  # FCDPStage3 built directly with a disabled block: plain, counted
+        if not fcdp_config.enabled or fcdp_config.diloco is not None:  # disabled: plain, counted; DiLoCo: hooks.py
             return super()._attach(module, ds_config)
-        if self.fcdp_diloco_topology is not None:
-            super()._attach(module, ds_config)  # counted, no cache
-            return self._attach_diloco(fcdp_config)
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()

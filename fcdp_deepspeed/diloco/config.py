@@ -6,9 +6,9 @@ A present block turns DiLoCo on (``"enabled": false`` turns it off again). Every
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, Optional
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -89,6 +89,17 @@ def parse_diloco(value: Any) -> DiLoCoConfig | None:
                          f"to {_FIXES.get(key, 'a valid value')}, or leave it out for the default.") from None
     return parsed if parsed.enabled else None
 
+
+#: The type of ``FCDPConfig.diloco``: parsed by :func:`parse_diloco` (``None``: DiLoCo off).
+DiLoCoBlock = Annotated[Optional[DiLoCoConfig], BeforeValidator(parse_diloco)]
+
+
+class DiLoCoField(DeepSpeedConfigModel):
+    """The base of ``FCDPConfig`` that holds its ``diloco`` key (kept here, with the block it parses)."""
+
+    diloco: DiLoCoBlock = None
+    """**Lossy.** DiLoCo across nodes: exact ZeRO-3 inside each node, an outer Nesterov step over the nodes'
+    averaged pseudo-gradients every ``sync_every`` steps (docs/DILOCO.md). Absent: exact data parallelism."""
 
 #: Settings of the outer ``fcdp`` block for the cross-node paths DiLoCo replaces: key -> (refused values, why).
 _CROSS_NODE_KEYS = {

@@ -14,6 +14,7 @@ from deepspeed.utils import logger
 from fcdp_deepspeed import announce
 from fcdp_deepspeed.compress.quant import codec_for
 from fcdp_deepspeed.compress.state import CompressionState
+from fcdp_deepspeed.config import load_ds_config, parse_fcdp_config
 from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
 from fcdp_deepspeed.diloco.layout import check_same_start, repartition_over_node, valid_ranges
 from fcdp_deepspeed.diloco.outer import OuterState
@@ -41,6 +42,18 @@ class DiLoCoSteps:
 
     fcdp_diloco_topology: Optional[Topology] = None
     fcdp_diloco: Optional[DiLoCoSync] = None
+
+    def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
+        fcdp_config = parse_fcdp_config(load_ds_config(kwargs.get("ds_config")))
+        if fcdp_config.enabled and fcdp_config.diloco is not None:  # each node one replica: ZeRO-3 over the node
+            self.fcdp_diloco_topology = build_layout(kwargs.get("dp_process_group"), fcdp_config.ranks_per_node)
+            kwargs = {**kwargs, "dp_process_group": self.fcdp_diloco_topology.group}
+        super().__init__(module, init_optimizer, *args, **kwargs)
+
+    def _attach(self, module, ds_config: dict) -> None:
+        super()._attach(module, ds_config)  # disabled or DiLoCo: the plain engine's counting, no cache
+        if self.fcdp_diloco_topology is not None:
+            self._attach_diloco(parse_fcdp_config(ds_config))
 
     def initialize_ds_offload(self, *args, **kwargs):
         offload = super().initialize_ds_offload(*args, **kwargs)
