@@ -27,19 +27,28 @@ def fp32():
 
 @pytest.fixture(scope="module")
 def bf16_int4():
-    return run_ranks("diloco:train", 4, steps=2 * H, dtype="bf16", sync_every=H, compression="int4")
+    """Composes: bf16, int4 pseudo-gradients, gradient accumulation, LoRA (frozen base weights never cross)."""
+    return run_ranks("diloco:train", 4, steps=2 * H, dtype="bf16", sync_every=H, compression="int4", grad_accum=2,
+                     lora_rank=2)
 
 
-@pytest.mark.parametrize("run", ["fp32", "bf16_int4"])
+@pytest.fixture(scope="module")
+def fp16_skipping():
+    """fp16 with a loss scale that overflows the first steps: each node's scaler skips on its own."""
+    return run_ranks("diloco:train", 4, steps=2 * H, dtype="fp16", sync_every=H, loss_scale_power=18)
+
+
+@pytest.mark.parametrize("run", ["fp32", "bf16_int4", "fp16_skipping"])
 def test_every_rank_holds_the_same_model_after_each_sync_and_only_then(run, request):
     res = request.getfixturevalue(run)
     steps = len(res[0]["weights"])
+    skipped = max(r["skipped_steps"] for r in res)  # fp16: a skipped step leaves the node model as it was
     for s in range(steps):
         w = [r["weights"][s] for r in res]  # each rank's node model (a node-local gather)
         assert _equal(w[0], w[1]) and _equal(w[2], w[3])  # exact ZeRO-3 inside a node
         if (s + 1) % H == 0:
             assert all(_equal(w[0], x) for x in w[1:]), f"step {s}: the nodes differ after a sync"
-        else:
+        elif s >= skipped:
             assert not _equal(w[0], w[2]), f"step {s}: the nodes trained on the same data or synced between syncs"
     assert all(r["node_group_size"] == 2 and r["partition_world"] == [2] for r in res)  # ZeRO-3 over the node
 
@@ -81,6 +90,13 @@ def test_stats_and_the_on_line(fp32):
     assert len(s["diloco_drift_norms"]) == len(SYNC_STEPS) and all(d > 0 for d in s["diloco_drift_norms"])
     assert s["diloco_outer_step_norm"] > 0 and s["fcdp_enabled"]
     assert len(r["on_lines"]) == 1 and "LOSSY DiLoCo" in r["on_lines"][0] and f"H = {H}" in r["on_lines"][0]
+
+
+def test_fp16_nodes_sync_at_the_same_step_whatever_their_scaler_skipped(fp16_skipping):
+    skipped = [r["skipped_steps"] for r in fp16_skipping]
+    assert skipped[0] == skipped[1] and skipped[2] == skipped[3]  # one loss scaler per node
+    assert skipped[0] != skipped[2] and max(skipped) > 0  # the nodes skipped different steps; no hang
+    assert all(r["stats"]["diloco_syncs"] == 2 and r["stats"]["diloco_steps"] == 2 * H for r in fp16_skipping)
 
 
 def test_compressed_pseudo_gradients_cross_at_a_fraction_of_the_bytes(fp32, bf16_int4):
