@@ -15,16 +15,22 @@ only (``optimizer.fcdp_diloco`` set; every other engine runs DeepSpeed's unchang
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 _ORIGINAL: dict[str, Callable] = {}
+#: Test-only: ``FCDP_BREAK_DILOCO=node_files`` leaves DeepSpeed's file ownership (node 0 writes, every node reads
+#: node 0's), the variant ``tests/test_diloco.py`` must catch (a resume mid-interval is then not exact).
+BREAK_ENV = "FCDP_BREAK_DILOCO"
 
 
 def _node_index(engine: Any) -> int | None:
     sync = getattr(getattr(engine, "optimizer", None), "fcdp_diloco", None)
-    return None if sync is None else int(sync.layout["node"])
+    if sync is None or "node_files" in os.environ.get(BREAK_ENV, ""):
+        return None
+    return int(sync.layout["node"])
 
 
 def _configure_checkpointing(original: Callable) -> Callable:
