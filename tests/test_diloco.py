@@ -34,8 +34,9 @@ def bf16_int4():
 
 @pytest.fixture(scope="module")
 def fp16_skipping():
-    """fp16 with a loss scale that overflows the first steps: each node's scaler skips on its own."""
-    return run_ranks("diloco:train", 4, steps=2 * H, dtype="fp16", sync_every=H, loss_scale_power=18)
+    """fp16 with a loss scale that overflows the first steps: each node's scaler skips on its own. Every parameter
+    persistent (stays gathered between steps): the sync must refresh the gathered copies too."""
+    return run_ranks("diloco:train", 4, steps=2 * H, dtype="fp16", sync_every=H, loss_scale_power=18, persist=True)
 
 
 @pytest.mark.parametrize("run", ["fp32", "bf16_int4", "fp16_skipping"])
@@ -93,6 +94,9 @@ def test_stats_and_the_on_line(fp32):
 
 
 def test_fp16_nodes_sync_at_the_same_step_whatever_their_scaler_skipped(fp16_skipping):
+    assert all(r["persistent"] > 0 for r in fp16_skipping)
+    # the forward after the last sync (through the persistent, gathered copies) is bitwise the same everywhere
+    assert all(torch.equal(r["forward"], fp16_skipping[0]["forward"]) for r in fp16_skipping)
     skipped = [r["skipped_steps"] for r in fp16_skipping]
     assert skipped[0] == skipped[1] and skipped[2] == skipped[3]  # one loss scaler per node
     assert skipped[0] != skipped[2] and max(skipped) > 0  # the nodes skipped different steps; no hang

@@ -13,10 +13,12 @@ from workers.common import DTYPES, LogCapture, fcdp_block, setup
 HIDDEN = 32
 
 
-def _config(dtype: str = "fp32", grad_accum: int = 1, loss_scale_power: int = 8, **diloco) -> dict:
+def _config(dtype: str = "fp32", grad_accum: int = 1, loss_scale_power: int = 8, persist: bool = False,
+            **diloco) -> dict:
     block = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **diloco}
+    zero = {"stage3_param_persistence_threshold": 10**9} if persist else {}  # persist: every parameter stays gathered
     return toy.ds_config(fcdp_block(diloco=block), regime="large", dtype=dtype, grad_accum=grad_accum,
-                         loss_scale_power=loss_scale_power)
+                         loss_scale_power=loss_scale_power, **zero)
 
 
 def _step(engine, step: int, dtype: str, seed: int = 0) -> float:
@@ -48,11 +50,11 @@ def _spy(sync) -> list:
 
 
 def train(steps: int = 7, dtype: str = "fp32", grad_accum: int = 1, lora_rank: int = 0, loss_scale_power: int = 8,
-          **diloco) -> dict:
+          persist: bool = False, **diloco) -> dict:
     """Train ``steps`` steps; after every step gather this node's full model (a node-local gather)."""
     setup()
     logs = LogCapture()
-    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, **diloco), lora_rank=lora_rank)
+    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, **diloco), lora_rank=lora_rank)
     sync = engine.optimizer.fcdp_diloco
     records = _spy(sync)
     weights, losses = [], []
@@ -62,6 +64,9 @@ def train(steps: int = 7, dtype: str = "fp32", grad_accum: int = 1, lora_rank: i
     stats = fcdp_deepspeed.get_stats(engine)
     return {"records": records, "weights": weights, "losses": losses, "stats": stats,
             "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+            "persistent": len(engine.optimizer.persistent_parameters),
+            "forward": toy.evaluate(engine, torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(7)).to(
+                engine.device, DTYPES[dtype])),
             "on_lines": logs.fcdp("ON for this engine", min_level=30), "rank": dist.get_rank(),
             "node_group_size": dist.get_world_size(group=engine.optimizer.dp_process_group),
             "partition_world": sorted({p.ds_zero_partition_world_size for p in engine.module.parameters()})}
