@@ -213,3 +213,16 @@ def test_committed_byte_measurements_meet_the_targets_and_the_doc_quotes_them():
         ratio = rows[engine]["bytes_vs_bound"]
         assert ratio <= target and 0.95 <= rows[engine]["counted_vs_kernel"] <= 1.05
         assert f"{ratio:#.3g}x" in doc, (engine, f"{ratio:#.3g}x")
+
+
+def test_fcdp_plan_prints_the_per_rank_memory_of_zero3_over_the_node(tmp_path, capsys):
+    import json
+    from fcdp_deepspeed.tools import planner
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                               "fcdp": {"enabled": True, "diloco": {"sync_every": 100, "compression": "int4"}}}))
+    assert planner.main(["--params", "7B", "--nodes", "4", "--ranks-per-node", "8", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    # (2 B params + 2 B grads) x 7e9 + 12 B x 7e9, over the node's 8 ranks (not the world's 32)
+    assert "DiLoCo (LOSSY" in out and "H = 100" in out and f"{16 * 7e9 / 8 / 2**30:.2f} GiB per rank" in out
+    assert f"exact ZeRO-3 over the world: {16 * 7e9 / 32 / 2**30:.2f}" in out
