@@ -226,3 +226,17 @@ def test_fcdp_plan_prints_the_per_rank_memory_of_zero3_over_the_node(tmp_path, c
     # (2 B params + 2 B grads) x 7e9 + 12 B x 7e9, over the node's 8 ranks (not the world's 32)
     assert "DiLoCo (LOSSY" in out and "H = 100" in out and f"{16 * 7e9 / 8 / 2**30:.2f} GiB per rank" in out
     assert f"exact ZeRO-3 over the world: {16 * 7e9 / 32 / 2**30:.2f}" in out
+
+
+@pytest.mark.slow
+def test_hf_trainer_with_peft_runs_diloco_with_the_config_key_alone():
+    """The HF Trainer example (a Llama built under zero.Init, world-partitioned, then re-partitioned over the node;
+    LoRA: only the adapters are pseudo-gradients) with ``fcdp.diloco`` added to its config."""
+    res = run_ranks("hf:hf_run", 4, timeout=600, fcdp=True, ranks_per_node=2, runner="trainer", use_peft=True,
+                    steps=4, ds_config=os.path.join(os.path.dirname(__file__), "..", "configs", "hf_lora_fcdp.json"),
+                    fcdp_extra={"grad_reduce": "flat", "grad_accumulation": "rank", "diloco": {"sync_every": 2}})
+    for r in res:
+        s = r["stats"]
+        assert r["optimizer_class"] == "FCDPStage3" and s["diloco_syncs"] == 2 and s["diloco_steps"] == 4
+        assert s["inter_node_grad_reduce_bytes"] == 0 and s["inter_node_allgather_bytes"] == s["inter_node_diloco_bytes"]
+    assert res[0]["losses"] != res[2]["losses"]  # the nodes train on their own samples
