@@ -213,7 +213,6 @@ class FCDPConfig(DiLoCoField):
     DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
     HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
 
-
     @model_validator(mode="before")
     @classmethod
     def _node_accumulation_is_hierarchical(cls, data: Any) -> Any:
@@ -363,8 +362,7 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
 
     zero = get_zero_config(dict(ds_config))
     stage = int(zero.stage)
-    fcdp = parse_fcdp_config(ds_config)
-    if stage != 3 and fcdp.diloco is not None:
+    if stage != 3 and _asks_for_diloco(ds_config):
         raise FCDPConfigError(f"fcdp.diloco needs ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}: each "
                               f"node is one replica partitioned by ZeRO-3 over its ranks. Fix: set \"zero_optimization\": "
                               f"{{\"stage\": 3}}, or remove fcdp.diloco.")
@@ -375,6 +373,7 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_hpz_partition_size > 1:
         problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
                         "topology-derived node cache. Fix: remove zero_hpz_partition_size")
+    fcdp = parse_fcdp_config(ds_config)
     if fcdp.diloco is not None:
         problems += diloco_problems(fcdp, zero, ds_config)
     if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
@@ -401,6 +400,14 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
                         "Fix: set compile.deepcompile false")
     if problems:
         raise FCDPConfigError("fcdp cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")
+
+
+def _asks_for_diloco(ds_config: Mapping[str, Any]) -> bool:
+    """Whether the raw block has an enabled ``diloco`` object (read before the block is parsed: a malformed block
+    under the wrong stage reports the stage first)."""
+    block = ds_config.get(FCDP_KEY)
+    diloco = block.get("diloco") if isinstance(block, Mapping) else None
+    return diloco is True or (isinstance(diloco, Mapping) and diloco.get("enabled", True) is not False)
 
 
 def grad_path_blockers(ds_config: Mapping[str, Any]) -> tuple[str, ...]:
