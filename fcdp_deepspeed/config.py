@@ -16,11 +16,10 @@ from typing import Any, Literal, Mapping, Optional, Union
 import hjson
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
 from fcdp_deepspeed import ds_compat
 from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
 from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
+from fcdp_deepspeed.diloco.config import DiLoCoField, ds_problems as diloco_problems
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
@@ -123,7 +122,7 @@ def _refuse_flat_compression(data: Any) -> None:
                               "grad_compression to \"off\".")
 
 
-class FCDPConfig(DeepSpeedConfigModel):
+class FCDPConfig(DiLoCoField):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
     enabled: bool = False
@@ -363,6 +362,10 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
 
     zero = get_zero_config(dict(ds_config))
     stage = int(zero.stage)
+    if stage != 3 and _asks_for_diloco(ds_config):
+        raise FCDPConfigError(f"fcdp.diloco needs ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}: each "
+                              f"node is one replica partitioned by ZeRO-3 over its ranks. Fix: set \"zero_optimization\": "
+                              f"{{\"stage\": 3}}, or remove fcdp.diloco.")
     if stage != 3:
         raise FCDPConfigError(f"fcdp requires ZeRO stage 3 (zero_optimization.stage = 3), got stage {stage}. "
                               f"Fix: set \"zero_optimization\": {{\"stage\": 3}} or set \"fcdp\": {{\"enabled\": false}}.")
@@ -371,6 +374,8 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
         problems.append("zero_optimization.zero_hpz_partition_size > 1 (ZeRO++ hpZ): FCDP replaces hpZ with a "
                         "topology-derived node cache. Fix: remove zero_hpz_partition_size")
     fcdp = parse_fcdp_config(ds_config)
+    if fcdp.diloco is not None:
+        problems += diloco_problems(fcdp, zero, ds_config)
     if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
         problems.append(f"fcdp.grad_compression = \"{fcdp.grad_compression}\" with zero_optimization.zero_quantized_gradients "
                         "(ZeRO++ qgZ): both quantize the gradient reduction, and qgZ bypasses the reduce-scatter FCDP "
@@ -395,6 +400,14 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
                         "Fix: set compile.deepcompile false")
     if problems:
         raise FCDPConfigError("fcdp cannot run with this DeepSpeed config: " + "; ".join(problems) + ".")
+
+
+def _asks_for_diloco(ds_config: Mapping[str, Any]) -> bool:
+    """Whether the raw block has an enabled ``diloco`` object (read before the block is parsed: a malformed block
+    under the wrong stage reports the stage first)."""
+    block = ds_config.get(FCDP_KEY)
+    diloco = block.get("diloco") if isinstance(block, Mapping) else None
+    return diloco is True or (isinstance(diloco, Mapping) and diloco.get("enabled", True) is not False)
 
 
 def grad_path_blockers(ds_config: Mapping[str, Any]) -> tuple[str, ...]:

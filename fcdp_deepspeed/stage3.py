@@ -48,6 +48,7 @@ from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
+from fcdp_deepspeed.diloco.hooks import DiLoCoSteps
 from fcdp_deepspeed.runtime import FCDPRuntime
 from fcdp_deepspeed.runtime.counting import count_plain_engine
 from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
@@ -218,8 +219,8 @@ class CompressionSteps:
             self.fcdp.weights_rewritten("weights restored")
 
 
-class FCDPStage3(CompressionSteps, CountedStage3):
-    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (built for enabled blocks)."""
+class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
+    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (``fcdp.diloco``: diloco/hooks.py)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
         ds_config = load_ds_config(kwargs.get("ds_config"))
@@ -238,7 +239,7 @@ class FCDPStage3(CompressionSteps, CountedStage3):
 
     def _attach(self, module, ds_config: dict) -> None:
         fcdp_config = parse_fcdp_config(ds_config)
-        if not fcdp_config.enabled:  # FCDPStage3 built directly with a disabled block: plain, counted
+        if not fcdp_config.enabled or fcdp_config.diloco is not None:  # disabled: plain, counted; DiLoCo: hooks.py
             return super()._attach(module, ds_config)
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,

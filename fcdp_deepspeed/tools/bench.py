@@ -51,10 +51,14 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                # issue 31's "before": fcdp_node without the run-ahead of stage 1 (runtime/runahead.py)
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0}}
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
+#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): time whole sync intervals (``--steps`` a multiple of H).
+DILOCO_ENGINES = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
+                  "diloco100_int4": {"sync_every": 100, "compression": "int4"}}
+FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items()}
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", *COMPRESSED_ENGINES)
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", *COMPRESSED_ENGINES, *DILOCO_ENGINES)
 
 
 @dataclass

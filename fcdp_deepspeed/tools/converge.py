@@ -38,6 +38,10 @@ from typing import Optional, Sequence
 #: Setting name -> (param_compression, grad_compression).
 SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", "int4"),
             "pint8": ("int8", "off"), "pint4": ("int4", "off"), "gint8": ("off", "int8"), "gint4": ("off", "int4")}
+#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): setting name -> the ``fcdp.diloco`` block (exact inside nodes).
+DILOCO_SETTINGS = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
+                   "diloco50": {"sync_every": 50}, "diloco50_int4": {"sync_every": 50, "compression": "int4"}}
+SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
 DTYPES = ("fp32", "bf16")
 #: Seconds per optimizer step and per setting's launch, evaluations and hashes, at the default sizes on the
 #: project's quiet 2-core machine. [Note: estimate] Not measured quietly: on the shared machine a step cost
@@ -114,6 +118,8 @@ def ds_config(spec: ConvergeSpec, setting: str, dtype: str) -> dict:
     block = {"enabled": True, "ranks_per_node": spec.ranks_per_node, "cache_device": "host"}
     if (pc, gc) != ("off", "off"):  # exact = today's defaults, the keys left out
         block.update(param_compression=pc, grad_compression=gc, compression_block=spec.compression_block)
+    if setting in DILOCO_SETTINGS:  # the held-out loss between syncs is the mean of the nodes' own models
+        block.update(diloco=DILOCO_SETTINGS[setting], compression_block=spec.compression_block)
     cfg = toy.ds_config(block, regime=spec.regime, grad_accum=spec.grad_accum, micro_batch=spec.micro_batch,
                         lr=spec.lr, dtype=dtype)
     cfg["gradient_clipping"] = spec.grad_clip

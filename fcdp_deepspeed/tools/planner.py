@@ -39,6 +39,7 @@ from typing import Optional
 
 from fcdp_deepspeed.tools import args as checks
 from fcdp_deepspeed.tools.plan_compression import SETTINGS, compressed_step
+from fcdp_deepspeed.tools.plan_diloco import diloco_plan, format_diloco
 
 GBIT = 1e9 / 8  # bytes per second per Gbit/s
 GIB = 2 ** 30
@@ -81,6 +82,8 @@ class ClusterSpec:
     """``fcdp.compression_block`` of the compressed rows."""
     fp16_dynamic_loss_scale: bool = False
     """fp16 with dynamic loss scaling: the compressed gradient path keeps a second residual copy."""
+    diloco: Optional[dict] = None
+    """The config's ``fcdp.diloco`` block (``tools/plan_diloco.py``): adds the DiLoCo rows."""
 
     def __post_init__(self) -> None:
         problems = [f"{name} = {getattr(self, name)!r}: {why}" for name, ok, why in (
@@ -229,6 +232,8 @@ def plan(spec: ClusterSpec) -> dict:
             block["grad_buffer_budget"] = f"{math.ceil(grad_buffer_per_node * 1.05 / GIB)}GiB"
     out["recommended_fcdp_block"] = block
     out["cached_fraction"] = cached_fraction
+    if spec.diloco is not None:
+        out["diloco"] = diloco_plan(spec, spec.diloco)
     return out
 
 
@@ -316,6 +321,7 @@ def format_plan(result: dict, assumptions: Optional[list[str]] = None) -> str:
                          f"{_gib(r['inter_node_bytes_per_uplink_per_step']):>11} {r['inter_node_bytes_per_step'] / node:>10.4f} "
                          f"{r['inter_node_bytes_per_step'] / base:>10.4f} {r['step_time_lower_bound_s']:>12.3f} "
                          f"{_gib(r['reference_bytes_per_rank']):>11} {_gib(r['residual_bytes_per_rank']):>10}")
+    lines += format_diloco(result.get("diloco"), result["engines"]["bound"]["inter_node_bytes_per_step"])
     if result["cached_fraction"] < 1.0:
         lines.append(f"\nhost RAM holds {result['cached_fraction']:.0%} of the cache; the rest runs as plain ZeRO-3.")
     if assumptions:
@@ -377,6 +383,8 @@ def _from_config(cfg: dict) -> dict:
         out["param_gather"] = block["param_gather"]
     if isinstance(block.get("compression_block"), int):
         out["compression_block"] = block["compression_block"]
+    if isinstance(block.get("diloco"), dict) and block["diloco"].get("enabled", True):
+        out["diloco"] = dict(block["diloco"])
     return out
 
 

@@ -1,0 +1,132 @@
+"""Workers of test_diloco.py: DiLoCo across the 2 emulated nodes x 2 ranks, through ``deepspeed.initialize``."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepspeed import comm as dist
+
+import fcdp_deepspeed
+from fcdp_deepspeed.tools import toy
+from workers.common import DTYPES, LogCapture, fcdp_block, setup
+
+HIDDEN = 32
+
+
+def _config(dtype: str = "fp32", grad_accum: int = 1, loss_scale_power: int = 8, persist: bool = False,
+            **diloco) -> dict:
+    block = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **diloco}
+    zero = {"stage3_param_persistence_threshold": 10**9} if persist else {}  # persist: every parameter stays gathered
+    return toy.ds_config(fcdp_block(diloco=block), regime="large", dtype=dtype, grad_accum=grad_accum,
+                         loss_scale_power=loss_scale_power, **zero)
+
+
+def _step(engine, step: int, dtype: str, seed: int = 0) -> float:
+    """One optimizer step of the toy regression on this rank's own data (``toy.batch`` depends on the rank)."""
+    ga, mb = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
+    for micro in range(ga):
+        x, y = toy.batch(step * ga + micro, mb, HIDDEN, seed)
+        loss = F.mse_loss(engine(x.to(engine.device, DTYPES[dtype])).float(), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+    return loss.item()
+
+
+def _spy(sync) -> list:
+    """Record, around every real sync, this rank's fp32 masters and outer shards before and after it."""
+    records, real = [], sync.sync
+
+    def spied(optimizer):
+        snap = lambda ts: [t.detach().float().clone().view(-1) for t in ts]  # noqa: E731
+        rec = {"local": snap(optimizer.fp32_partitioned_groups_flat), "outer": snap(sync.outer.params),
+               "momentum": snap(sync.outer.momentum)}
+        real(optimizer)
+        rec.update(outer_after=snap(sync.outer.params), momentum_after=snap(sync.outer.momentum),
+                   master_after=snap(optimizer.fp32_partitioned_groups_flat))
+        records.append(rec)
+
+    sync.sync = spied
+    return records
+
+
+def train(steps: int = 7, dtype: str = "fp32", grad_accum: int = 1, lora_rank: int = 0, loss_scale_power: int = 8,
+          persist: bool = False, **diloco) -> dict:
+    """Train ``steps`` steps; after every step gather this node's full model (a node-local gather)."""
+    setup()
+    logs = LogCapture()
+    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, **diloco), lora_rank=lora_rank)
+    sync = engine.optimizer.fcdp_diloco
+    records = _spy(sync)
+    weights, losses = [], []
+    for step in range(steps):
+        losses.append(_step(engine, step, dtype))
+        weights.append(toy.gather_weights(engine))
+    stats = fcdp_deepspeed.get_stats(engine)
+    return {"records": records, "weights": weights, "losses": losses, "stats": stats,
+            "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
+            "persistent": len(engine.optimizer.persistent_parameters),
+            "forward": toy.evaluate(engine, torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(7)).to(
+                engine.device, DTYPES[dtype])),
+            "on_lines": logs.fcdp("ON for this engine", min_level=30), "rank": dist.get_rank(),
+            "node_group_size": dist.get_world_size(group=engine.optimizer.dp_process_group),
+            "partition_world": sorted({p.ds_zero_partition_world_size for p in engine.module.parameters()})}
+
+
+class IndexData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)])
+
+
+def data() -> dict:
+    """Which samples DeepSpeed's own loader hands this rank under DiLoCo, and the global batch."""
+    setup()
+    cfg = _config()
+    fcdp_deepspeed.install()
+    import deepspeed
+    model = toy.ToyModel(HIDDEN, 2, 0, False)
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg,
+                                                training_data=IndexData())
+    seen = sorted(int(b.item()) for batch in loader for b in batch.view(-1))
+    return {"seen": seen, "train_batch_size": engine.train_batch_size(),
+            "micro": engine.train_micro_batch_size_per_gpu(), "ga": engine.gradient_accumulation_steps()}
+
+
+def checkpoint(ckpt_dir: str, save_at: int = 4, steps: int = 8, dtype: str = "fp32", **diloco) -> dict:
+    """Run A trains ``steps`` straight; run B saves at ``save_at`` (mid-interval), a fresh engine (other init)
+    loads it and trains on. Both return their losses and models after every step."""
+    setup()
+    out = {}
+    cfg = _config(dtype, **diloco)
+    engine = toy.build_engine(cfg)
+    out["straight"] = [_step(engine, s, dtype) for s in range(steps)]
+    out["straight_weights"] = toy.gather_weights(engine)
+    out["straight_stats"] = {k: v for k, v in fcdp_deepspeed.get_stats(engine).items() if k.startswith("diloco_")}
+    engine = toy.build_engine(cfg)
+    out["before"] = [_step(engine, s, dtype) for s in range(save_at)]
+    engine.save_checkpoint(ckpt_dir, tag="mid")
+    engine = toy.build_engine(cfg, seed=123)  # another init: the load must overwrite everything
+    engine.load_checkpoint(ckpt_dir, tag="mid")
+    out["loaded_steps"] = engine.optimizer.fcdp_diloco.steps
+    out["after"] = [_step(engine, s, dtype) for s in range(save_at, steps)]
+    out["resumed_weights"] = toy.gather_weights(engine)
+    out["resumed_stats"] = {k: v for k, v in fcdp_deepspeed.get_stats(engine).items() if k.startswith("diloco_")}
+    return out
+
+
+def one_node(**diloco) -> str:
+    """DiLoCo on a single node (4 ranks on one node): refused at build."""
+    setup(ranks_per_node=4)
+    cfg = toy.ds_config({**fcdp_block(ranks_per_node=4), "diloco": {"sync_every": 2, **diloco}})
+    try:
+        toy.build_engine(cfg)
+    except Exception as err:  # noqa: BLE001 - the test checks the message
+        return f"{type(err).__name__}: {err}"
+    return "built"
+
+
+def core(**kwargs) -> dict:
+    """One launch for the core tests: :func:`train`, then :func:`data` on a second engine."""
+    return {**train(**kwargs), "data": data()}
