@@ -25,8 +25,12 @@ def step_deltas(run, key: str) -> list[int]:
     return [s[0][key]] + [b[key] - a[key] for a, b in zip(s, s[1:])]
 
 
-def test_release_is_listed_and_its_internals_are_present(smoke):
+def test_release_is_listed(smoke):
+    """scripts/check_all_releases.py deselects this one: it runs releases before the gate admits them."""
     assert smoke[0]["deepspeed"].split("+")[0] in TESTED_DEEPSPEED_VERSIONS
+
+
+def test_release_internals_are_present():
     assert ds_compat.missing_internals() == []
 
 
