@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Optional, Union
 
 import hjson
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -126,6 +126,11 @@ def _refuse_flat_compression(data: Any) -> None:
 class FCDPConfig(DeepSpeedConfigModel):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
+    # [Note: strict types] JSON has booleans and numbers, so ``"enabled": "yes"``, ``"enabled": 1`` or
+    # ``"min_numel": "1000"`` are refused (the message says how to write them) instead of coerced. One
+    # exception: byte counts (``miss_batch_bytes``) take a size string such as "32MiB", like the budgets.
+    model_config = ConfigDict(strict=True)
+
     enabled: bool = False
     """Turn FCDP on. Absent block or ``false``: the job runs as plain ZeRO-3, even after ``install()``."""
 
@@ -193,7 +198,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
-    miss_batch_bytes: int = Field(32 * 2**20, ge=0)
+    miss_batch_bytes: int = Field(32 * 2**20, ge=0, json_schema_extra={"sizes": True})
     """With the hierarchical gather: when every stale cached parameter together is at most this many
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
@@ -232,6 +237,15 @@ class FCDPConfig(DeepSpeedConfigModel):
     @classmethod
     def _check_budget(cls, value: Any, info) -> Any:
         Budget.parse(info.field_name, value)
+        return value
+
+    @field_validator("miss_batch_bytes", mode="before")
+    @classmethod
+    def _size_to_bytes(cls, value: Any, info) -> Any:
+        """A size string ("32MiB", "1GB") as whole bytes; anything else goes to the strict ``int`` check."""
+        if isinstance(value, str) and value.strip().lower() != "auto" and _BUDGET_RE.match(value) \
+                and not value.strip().endswith("%"):
+            return int(Budget.parse(info.field_name, value).value)
         return value
 
     @field_validator("verify")

@@ -40,6 +40,27 @@ def test_bad_values_name_the_key(block, key):
     assert f"fcdp.{key}" in str(err.value)
 
 
+@pytest.mark.parametrize("block, fix", [
+    ({"enabled": "yes"}, "Fix: write true (a JSON boolean, no quotes)"),
+    ({"enabled": 1}, "Fix: write true (a JSON boolean, no quotes)"),
+    ({"enabled": "false"}, "Fix: write false (a JSON boolean, no quotes)"),
+    ({"min_numel": "1000"}, "Fix: write 1000 (a JSON number, no quotes)"),
+    ({"ranks_per_node": 2.0}, "Fix: write 2 (a JSON number)"),
+    ({"log_interval": True}, "expected a whole number >= 0"),
+    ({"miss_batch_bytes": "50%"}, "of bytes or a size such as \"32MiB\""),
+])
+def test_strict_types_refuse_what_json_would_spell_differently(block, fix):
+    """Strict types (FCDPConfig's [Note: strict types]): no coercion of strings, 1 or floats; the fix spells it."""
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, **block}} if "enabled" not in block else {"fcdp": block})
+    assert f"fcdp.{next(iter(block))} = {next(iter(block.values()))!r}" in str(err.value) and fix in str(err.value)
+
+
+def test_byte_counts_take_a_size_string_the_one_documented_exception():
+    assert parse_fcdp_config({"fcdp": {"miss_batch_bytes": "32MiB"}}).miss_batch_bytes == 32 * 2**20
+    assert parse_fcdp_config({"fcdp": {"miss_batch_bytes": 1000}}).miss_batch_bytes == 1000
+
+
 def test_block_must_be_an_object():
     with pytest.raises(FCDPConfigError):
         parse_fcdp_config({"fcdp": "yes"})
