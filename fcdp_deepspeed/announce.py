@@ -51,7 +51,8 @@ def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
     return (f"fcdp: ON for this engine: {topo.num_nodes} nodes x {topo.ranks_per_node} ranks per node "
             f"(from {topo.source}); {_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
             f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
-            f"{runtime.log_interval or 'no'} steps at INFO.")
+            f"{runtime.log_interval or 'no'} steps at INFO "
+            f"(deepspeed.utils.logging.set_log_level_from_string(\"info\")).")
 
 
 def announce(runtime: Any, grad_plan: Optional[Any]) -> None:

@@ -24,8 +24,11 @@ from fcdp_deepspeed.config_errors import FCDP_KEY, FCDPConfigError, placement_pr
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
-#: ``fcdp.log_interval`` when neither it nor a finite ``steps_per_print`` is set.
+#: ``fcdp.log_interval`` when neither it nor a ``steps_per_print`` of at most MAX_FOLLOWED_STEPS_PER_PRINT is set.
 DEFAULT_LOG_INTERVAL = 10
+#: A larger ``steps_per_print`` is a way to silence DeepSpeed's own prints (the shipped configs set 1000000),
+#: not an interval anyone reads a report at: FCDP's line then keeps its own default.
+MAX_FOLLOWED_STEPS_PER_PRINT = 1000
 
 
 def parse_verify(value: Any) -> Any:
@@ -216,8 +219,8 @@ class FCDPConfig(DeepSpeedConfigModel):
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
-    DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
-    HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
+    DeepSpeed's ``steps_per_print`` when that is a whole number from 1 to 1000, else 10 (accelerate, hence the
+    HF Trainer, sets ``steps_per_print`` to infinity; configs silence DeepSpeed with 1000000). ``0`` turns both off."""
 
     @model_validator(mode="before")
     @classmethod
@@ -277,7 +280,8 @@ class FCDPConfig(DeepSpeedConfigModel):
         if self.log_interval is not None:
             return self.log_interval
         finite = isinstance(steps_per_print, (int, float)) and not isinstance(steps_per_print, bool) and \
-            math.isfinite(steps_per_print) and steps_per_print >= 1 and float(steps_per_print).is_integer()
+            math.isfinite(steps_per_print) and 1 <= steps_per_print <= MAX_FOLLOWED_STEPS_PER_PRINT and \
+            float(steps_per_print).is_integer()
         return int(steps_per_print) if finite else DEFAULT_LOG_INTERVAL
 
     @property

@@ -8,6 +8,7 @@ Order: the newest patch of each minor first, then the others round-robin across 
 The version gate then admits exactly the releases recorded as passed.
 
     nice -n 19 ionice -c 3 python3 scripts/check_all_releases.py --deadline 18:35 > release-check.log 2>&1 &
+    python3 scripts/check_all_releases.py --sync    # then: pyproject.toml and .ci/run admit what passed
 
 Standard library only. Candidates come from ``fcdp_deepspeed/deepspeed_releases.json`` (``candidates``), or
 ``--versions``. The release venv is deleted after its run unless ``--keep-venvs``.
@@ -30,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "deepspeed-releases.md"
 # Deselected: whether the gate lists the release (it does not yet: this run decides it), and a static CI check.
-DESELECT = "not test_release_is_listed and not test_ci_checks_every_listed_release"
+DESELECT = "not test_release_is_listed and not test_ci_checks"
 
 
 def _table_module():
-    spec = importlib.util.spec_from_file_location("release_table", ROOT / "fcdp_deepspeed" / "release_table.py")
+    spec = importlib.util.spec_from_file_location("version_gate", ROOT / "fcdp_deepspeed" / "version_gate.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -97,6 +98,30 @@ def run_one(version: str, timeout: float, logdir: Path) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
+def ci_versions(passed: tuple[str, ...], main_suite: str) -> list[str]:
+    """CI's compatibility stage: the newest admitted patch of each minor plus the oldest admitted release,
+    less the main suite's own release (constraints.txt), oldest first."""
+    newest = {rt.release_key(v)[:2]: v for v in sorted(passed, key=rt.release_key)}
+    keep = set(newest.values()) | {passed[0]}
+    return sorted(keep - {main_suite}, key=rt.release_key)
+
+
+def sync(table: dict) -> None:
+    """Write what the table admits into pyproject.toml's deepspeed requirement and .ci/run's ``versions=(...)``
+    (tests/test_packaging.py and tests/test_release_smoke.py check both)."""
+    sys.path.insert(0, str(ROOT))
+    from fcdp_deepspeed import version_gate  # noqa: E402  (reads the same table)
+    pyproject = ROOT / "pyproject.toml"
+    text = re.sub(r'^    "deepspeed[^"]*",$', f'    "{version_gate.deepspeed_requirement()}",', pyproject.read_text(),
+                  count=1, flags=re.M)
+    pyproject.write_text(text)
+    main_suite = re.search(r"^deepspeed==([0-9.]+)$", (ROOT / "constraints.txt").read_text(), re.M).group(1)
+    ci = ROOT / ".ci" / "run"
+    versions = " ".join(ci_versions(rt.passed(table), main_suite))
+    ci.write_text(re.sub(r"^versions=\([0-9. ]*\)$", f"versions=({versions})", ci.read_text(), count=1, flags=re.M))
+    print(f"pyproject: {version_gate.deepspeed_requirement()}\n.ci/run: versions=({versions})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--versions", nargs="*", help="releases to run (default: every candidate in the table)")
@@ -104,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", help="HH:MM local time: start no release after it, stop the running one at it")
     ap.add_argument("--timeout", type=float, default=2400, help="seconds per release (default 2400)")
     ap.add_argument("--keep-venvs", action="store_true", help="keep .venv-ds-VERSION after its run")
+    ap.add_argument("--sync", action="store_true", help="only write the admitted releases into pyproject.toml "
+                    "and .ci/run (after a run)")
     ap.add_argument("--table", type=Path, default=Path(rt.PATH))
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--logdir", type=Path, default=ROOT / "release-logs")
     args = ap.parse_args(argv)
     table = rt.load(str(args.table))
+    if args.sync:
+        sync(table)
+        return 0
     todo = order(args.versions or table["candidates"])
     deadline = None
     if args.deadline:

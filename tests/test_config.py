@@ -126,12 +126,13 @@ def test_version_gate(monkeypatch):
     assert check_deepspeed_version("0.20.1") == "0.20.1"
 
 
-def test_log_interval_defaults_to_finite_steps_per_print_else_10():
+def test_log_interval_defaults_to_a_readable_steps_per_print_else_10():
+    """steps_per_print up to 1000 is followed; 1000000 (the shipped configs' way to silence DeepSpeed) is not."""
     from fcdp_deepspeed.config import DEFAULT_LOG_INTERVAL, FCDPConfig
     plain = FCDPConfig()
     assert DEFAULT_LOG_INTERVAL == 10
-    assert [plain.resolved_log_interval(v) for v in (5, 5.0, None, float("inf"), 0, -1, 2.5, True, "10")] == \
-        [5, 5, 10, 10, 10, 10, 10, 10, 10]
+    assert [plain.resolved_log_interval(v) for v in (5, 5.0, 1000, None, float("inf"), 1000000, 0, -1, 2.5, True,
+                                                     "10")] == [5, 5, 1000, 10, 10, 10, 10, 10, 10, 10, 10]
     assert FCDPConfig(log_interval=3).resolved_log_interval(float("inf")) == 3
     assert FCDPConfig(log_interval=0).resolved_log_interval(7) == 0  # off
     with pytest.raises(FCDPConfigError, match="log_interval"):
