@@ -415,8 +415,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag, kind, default, text in _OPTIONS:
         shown = text if "default" in text or default is None else f"{text} (default: {default})"
         ap.add_argument(flag, type=kind, default=None, help=shown)
-    for flag in _LEGACY_GB:  # the former decimal-GB spellings, converted
-        ap.add_argument(flag, type=checks.non_negative(), default=None, help=argparse.SUPPRESS)
+    for flag, dest in _LEGACY_GB.items():  # the decimal-GB spellings (docs/BENCHMARKS.md uses them), converted
+        ap.add_argument(flag, type=checks.non_negative(), default=None,
+                        help=f"--{dest.replace('_', '-')} given in decimal GB (10^9 bytes) instead of GiB")
     ap.add_argument("--regime", choices=["large", "default"], default=None, help="DeepSpeed release regime (default: large)")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="collective library (default: nccl)")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default=None,
