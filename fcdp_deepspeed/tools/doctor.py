@@ -213,7 +213,7 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     from fcdp_deepspeed.config import grad_accumulation_blockers, grad_path_blockers, parse_fcdp_config
     from fcdp_deepspeed.plan import resolve_grad_plan
     from fcdp_deepspeed.runtime.allocation import host_budget_per_node
-    from fcdp_deepspeed.stats import fmt_bytes
+    from fcdp_deepspeed.stats import fmt_bytes, plural
 
     block = parse_fcdp_config(cfg)
     ga = cfg.get("gradient_accumulation_steps")
@@ -229,7 +229,7 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     cache = ("none: one node, nothing to save across nodes" if nodes == 1 else
              f"cache_device {block.cache_device}, host budget {fmt_bytes(host_node)} per node on this machine "
              f"({block.host_budget!r} of {limit.describe()}), {fmt_bytes(host_node // ranks_per_node)} per rank")
-    return {"layout": f"{nodes} nodes x {ranks_per_node} ranks per node", "cache": cache,
+    return {"layout": f"{plural(nodes, 'node')} x {plural(ranks_per_node, 'rank')} per node", "cache": cache,
             "param_gather": block.resolved_param_gather(nodes, ranks_per_node),
             "grad_reduce": f"{grads.grad_reduce} ({grads.reduce_reason})", "grad_accumulation": accumulation,
             "compression": compression_words(block)}
