@@ -67,7 +67,19 @@ if editable_wheel is not None:
             return self
 
         def __exit__(self, *exc):
-            return self.strategy.__exit__(*exc)
+            # [Note: the editable-install notice] setuptools' meta-path strategy ends with an InformationOnly
+            # warning box ("Please be careful with folders in your working directory with the same name as
+            # your package"), which pip shows as a BuildBackendWarning on every `pip install -e .` (demo.sh,
+            # setup_env.sh). Here the folder of that name is the checkout's package itself, the one the
+            # install points at, so the notice is filtered for this call only, by its category and summary.
+            import warnings
+            with warnings.catch_warnings():
+                try:
+                    from setuptools.warnings import InformationOnly
+                except ImportError:  # older setuptools: no such notice
+                    InformationOnly = Warning
+                warnings.filterwarnings("ignore", message=r"Editable installation\.", category=InformationOnly)
+                return self.strategy.__exit__(*exc)
 
     class EditableWheelWithAutoload(editable_wheel):
         """PEP 660 editable installs (``pip install -e .``) with the startup file."""

@@ -107,7 +107,8 @@ def fresh(tmp_path_factory, dists) -> UserEnv:
 @pytest.fixture(scope="module", params=["wheel", "editable"])
 def installed(request, fresh: UserEnv) -> str:
     if request.param == "editable":
-        fresh.pip("install editable", "--no-deps", "-e", str(ROOT))
+        out = fresh.pip("install editable", "--no-deps", "-e", str(ROOT))
+        assert "Editable installation" not in out and "BuildBackendWarning" not in out, out  # setup.py's [Note]
     return request.param
 
 
