@@ -15,6 +15,7 @@ import deepspeed  # noqa: E402
 import deepspeed.runtime.engine as _engine_module  # noqa: E402
 import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
 
+from fcdp_deepspeed import excepthook  # noqa: E402
 from fcdp_deepspeed.engine_config import FCDPCheckedConfig, check_zero_init  # noqa: E402
 from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
 from fcdp_deepspeed.grads import uninstall_dispatch  # noqa: E402
@@ -47,6 +48,7 @@ def install() -> None:
     _engine_module.MonitorMaster = RecordingMonitorMaster  # lets FCDP write to the engine's monitor
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
     check_zero_init(True)  # zero.Init(config_dict_or_path=...): a misplaced or misspelled block, with the fix
+    excepthook.install()  # an uncaught config error: one line per rank, not a traceback each
 
 
 def uninstall() -> None:
@@ -55,6 +57,7 @@ def uninstall() -> None:
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
     deepspeed.DeepSpeedConfig = _ORIGINAL_CONFIG
+    excepthook.uninstall()
     check_zero_init(False)
     uninstall_dispatch()
 

@@ -206,3 +206,28 @@ def test_misplaced_or_misspelled_block_is_refused_where_deepspeed_parses_configs
     path.write_text(json.dumps(cfg))
     with pytest.raises(FCDPConfigError, match="Fix"):
         deepspeed.zero.Init(config_dict_or_path=str(path))
+
+
+def test_an_uncaught_config_error_is_one_line_per_rank(monkeypatch, capsys):
+    """What each rank prints when the block is refused (fcdp_deepspeed/excepthook.py): one line naming the key
+    and the fix, no traceback; FCDP_TRACEBACK=1 (the broken variant, as before) hands it to the previous hook."""
+    import os
+    import subprocess
+    import sys
+
+    from fcdp_deepspeed import excepthook
+    code = ("import deepspeed, fcdp_deepspeed; fcdp_deepspeed.install(); "
+            "from fcdp_deepspeed.config import parse_fcdp_config; parse_fcdp_config({'fcdp': {'enabled': 'yes'}})")
+    short = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="3", DS_ACCELERATOR="cpu"),
+                           capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in short.stderr.splitlines() if not ln.startswith("[20")]  # DeepSpeed's own log lines
+    assert short.returncode == 1 and "Traceback" not in short.stderr, short.stderr[-3000:]
+    assert lines[0].startswith("[rank 3] FCDPConfigError: invalid \"fcdp\" config block: fcdp.enabled = 'yes'") and \
+        "Fix: write true" in lines[0] and len(lines) == 2, lines
+    seen = []
+    monkeypatch.setattr(excepthook, "_PREVIOUS", [lambda *exc: seen.append(exc[0])])
+    monkeypatch.setenv("FCDP_TRACEBACK", "1")
+    excepthook._hook(FCDPConfigError, FCDPConfigError("x"), None)
+    monkeypatch.setenv("FCDP_TRACEBACK", "0")
+    excepthook._hook(KeyError, KeyError("other errors keep their traceback"), None)
+    assert seen == [FCDPConfigError, KeyError] and capsys.readouterr().err == ""
