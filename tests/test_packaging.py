@@ -156,12 +156,8 @@ def dry_run(python: Path, target: str, report: Path) -> subprocess.CompletedProc
 
 
 #: What a user's environment may hold, beside fcdp-deepspeed's other requirements.
-STACKS = {
-    "torch 2.14 + deepspeed 0.19.8": {"torch": "2.14.0", "deepspeed": "0.19.8"},
-    "torch 2.15 + deepspeed 0.16.9": {"torch": "2.15.0", "deepspeed": "0.16.9"},
-    "torch 2.13 + deepspeed 0.17.6": {"torch": "2.13.0", "deepspeed": "0.17.6"},
-    "torch 2.15 + deepspeed 0.18.9": {"torch": "2.15.0", "deepspeed": "0.18.9"},
-}
+STACKS = {f"torch {t} + deepspeed {d}": {"torch": f"{t}.0", "deepspeed": d}
+          for t, d in zip(("2.14", "2.15", "2.13", "2.15"), reversed(TESTED_DEEPSPEED_VERSIONS))}  # admitted ones
 OTHERS = {"pydantic": "2.11.0", "hjson": "3.1.0", "psutil": "7.0.0", "py-cpuinfo": "9.0.0"}
 #: Environments the declared range must refuse (pip cannot satisfy it offline): outside 0.16.9 .. < 0.20.
 REFUSED = {"deepspeed 0.15.4": {"torch": "2.13.0", "deepspeed": "0.15.4"},
@@ -170,6 +166,32 @@ REFUSED = {"deepspeed 0.15.4": {"torch": "2.13.0", "deepspeed": "0.15.4"},
 _GAPS = [v for v in version_gate.load()["candidates"] if v not in TESTED_DEEPSPEED_VERSIONS]
 if _GAPS:
     REFUSED[f"deepspeed {_GAPS[-1]} (not admitted)"] = {"torch": "2.13.0", "deepspeed": _GAPS[-1]}
+
+
+HF_TESTED = {"transformers": "5.25.0", "peft": "0.21.2", "accelerate": "1.16.0"}
+#: The [hf] extra: the stack the suite runs is kept; an older torch or transformers is refused, not replaced.
+HF_CASES = {"tested HF stack, torch 2.13": ({"torch": "2.13.0", **HF_TESTED}, True),
+            "tested HF stack, torch 2.5.1": ({"torch": "2.5.1", **HF_TESTED}, False),
+            "transformers 4.46.3, torch 2.13": ({"torch": "2.13.0", **HF_TESTED, "transformers": "4.46.3"}, False)}
+
+
+def test_hf_extra_keeps_the_tested_stack_and_refuses_others(dists, tmp_path):
+    """``pip install "fcdp-deepspeed[hf]"`` resolved like the base install: with the tested HF stack and torch it
+    installs fcdp-deepspeed alone; with torch 2.5.1 (below accelerate 1.16's floor) or an older transformers,
+    offline pip refuses instead of resolving to a set nobody ran."""
+    deepspeed = {"deepspeed": TESTED_DEEPSPEED_VERSIONS[-1]}
+    pythons = {name: stand_in_env(tmp_path / f"hf{i}", {**OTHERS, **deepspeed, **stack})
+               for i, (name, (stack, _)) in enumerate(HF_CASES.items())}
+    target = f"fcdp-deepspeed[hf] @ {dists['wheel'].as_uri()}"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = dict(zip(HF_CASES, pool.map(lambda n: dry_run(pythons[n], target, tmp_path / f"{n}.json"), HF_CASES)))
+    for name, (_, kept) in HF_CASES.items():
+        if kept:
+            assert procs[name].returncode == 0, (name, procs[name].stderr[-2000:])
+            report = json.loads((tmp_path / f"{name}.json").read_text())
+            assert [i["metadata"]["name"] for i in report["install"]] == ["fcdp-deepspeed"], (name, report["install"])
+        else:
+            assert procs[name].returncode != 0, (name, procs[name].stdout[-2000:])
 
 
 def test_pip_keeps_the_torch_and_deepspeed_already_installed(dists, tmp_path):
