@@ -11,10 +11,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 import hjson
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 
@@ -126,13 +126,25 @@ def _refuse_flat_compression(data: Any) -> None:
                               "grad_compression to \"off\".")
 
 
-class FCDPConfig(DeepSpeedConfigModel):
+def _size_string_to_bytes(value: Any, info: Any) -> Any:
+    """A size string ("32MiB", "1GB") as whole bytes; anything else goes to the strict ``int`` check."""
+    if isinstance(value, str) and _BUDGET_RE.match(value) and not value.strip().endswith("%"):
+        return int(Budget.parse(info.field_name, value).value)
+    return value
+
+
+# [Note: strict types] JSON has booleans and numbers, so ``"enabled": "yes"``, ``"enabled": 1`` or
+# ``"min_numel": "1000"`` are refused (the message says how to write them) instead of coerced. One
+# exception: byte counts (``miss_batch_bytes``) take a size string such as "32MiB", like the budgets.
+class StrictConfigModel(DeepSpeedConfigModel):
+    """A DeepSpeed config model with strict types (the ``fcdp`` block and any sub-block)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class FCDPConfig(StrictConfigModel):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
-    # [Note: strict types] JSON has booleans and numbers, so ``"enabled": "yes"``, ``"enabled": 1`` or
-    # ``"min_numel": "1000"`` are refused (the message says how to write them) instead of coerced. One
-    # exception: byte counts (``miss_batch_bytes``) take a size string such as "32MiB", like the budgets.
-    model_config = ConfigDict(strict=True)
 
     enabled: bool = False
     """Turn FCDP on. Absent block or ``false``: the job runs as plain ZeRO-3, even after ``install()``."""
@@ -201,7 +213,7 @@ class FCDPConfig(DeepSpeedConfigModel):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
-    miss_batch_bytes: int = Field(32 * 2**20, ge=0, json_schema_extra={"sizes": True})
+    miss_batch_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(32 * 2**20, ge=0, json_schema_extra={"sizes": True})
     """With the hierarchical gather: when every stale cached parameter together is at most this many
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
@@ -242,15 +254,6 @@ class FCDPConfig(DeepSpeedConfigModel):
         Budget.parse(info.field_name, value)
         return value
 
-    @field_validator("miss_batch_bytes", mode="before")
-    @classmethod
-    def _size_to_bytes(cls, value: Any, info) -> Any:
-        """A size string ("32MiB", "1GB") as whole bytes; anything else goes to the strict ``int`` check."""
-        if isinstance(value, str) and value.strip().lower() != "auto" and _BUDGET_RE.match(value) \
-                and not value.strip().endswith("%"):
-            return int(Budget.parse(info.field_name, value).value)
-        return value
-
     @field_validator("verify")
     @classmethod
     def _check_verify(cls, value: Any) -> Any:
@@ -280,9 +283,8 @@ class FCDPConfig(DeepSpeedConfigModel):
         if self.log_interval is not None:
             return self.log_interval
         finite = isinstance(steps_per_print, (int, float)) and not isinstance(steps_per_print, bool) and \
-            math.isfinite(steps_per_print) and 1 <= steps_per_print <= MAX_FOLLOWED_STEPS_PER_PRINT and \
-            float(steps_per_print).is_integer()
-        return int(steps_per_print) if finite else DEFAULT_LOG_INTERVAL
+            math.isfinite(steps_per_print) and float(steps_per_print).is_integer()
+        return int(steps_per_print) if finite and 1 <= steps_per_print <= MAX_FOLLOWED_STEPS_PER_PRINT else DEFAULT_LOG_INTERVAL
 
     @property
     def verify_rate(self) -> float:
