@@ -11,17 +11,35 @@ AUTOLOAD_PTH = "fcdp_deepspeed_autoload.pth"
 AUTOLOAD_LINE = "import fcdp_deepspeed_autoload; fcdp_deepspeed_autoload.startup()\n"
 
 
+#: The shipped configs and examples (``fcdp configs`` finds them): checkout folder -> (package folder, suffix).
+SHIPPED = {"configs": ".json", "examples": ".py"}
+SHIPPED_DIR = os.path.join("fcdp_deepspeed", "shipped")
+
+
+def _shipped_files():
+    """(source, path under build_lib) of each shipped file; the sdist holds the folders (MANIFEST.in)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [(os.path.join(here, folder, name), os.path.join(SHIPPED_DIR, folder, name))
+            for folder, suffix in SHIPPED.items() if os.path.isdir(os.path.join(here, folder))
+            for name in sorted(os.listdir(os.path.join(here, folder))) if name.endswith(suffix)]
+
+
 class BuildPyWithAutoload(build_py):
-    """Wheels: the startup file goes to the root of build_lib, i.e. into site-packages."""
+    """Wheels: the startup file goes to the root of build_lib, i.e. into site-packages; the configs and
+    examples into ``fcdp_deepspeed/shipped/`` (an editable install finds them in the checkout instead)."""
 
     def run(self):
         super().run()
         if not self.editable_mode:  # editable wheels get it from EditableWheelWithAutoload
             with open(os.path.join(self.build_lib, AUTOLOAD_PTH), "w") as f:
                 f.write(AUTOLOAD_LINE)
+            for source, dest in _shipped_files():
+                self.mkpath(os.path.dirname(os.path.join(self.build_lib, dest)))
+                self.copy_file(source, os.path.join(self.build_lib, dest))
 
     def get_outputs(self, include_bytecode=1):
-        extra = [] if self.editable_mode else [os.path.join(self.build_lib, AUTOLOAD_PTH)]
+        extra = [] if self.editable_mode else [os.path.join(self.build_lib, AUTOLOAD_PTH)] + [
+            os.path.join(self.build_lib, dest) for _, dest in _shipped_files()]
         return super().get_outputs(include_bytecode) + extra
 
 
@@ -49,7 +67,19 @@ if editable_wheel is not None:
             return self
 
         def __exit__(self, *exc):
-            return self.strategy.__exit__(*exc)
+            # [Note: the editable-install notice] setuptools' meta-path strategy ends with an InformationOnly
+            # warning box ("Please be careful with folders in your working directory with the same name as
+            # your package"), which pip shows as a BuildBackendWarning on every `pip install -e .` (demo.sh,
+            # setup_env.sh). Here the folder of that name is the checkout's package itself, the one the
+            # install points at, so the notice is filtered for this call only, by its category and summary.
+            import warnings
+            with warnings.catch_warnings():
+                try:
+                    from setuptools.warnings import InformationOnly
+                except ImportError:  # older setuptools: no such notice
+                    InformationOnly = Warning
+                warnings.filterwarnings("ignore", message=r"Editable installation\.", category=InformationOnly)
+                return self.strategy.__exit__(*exc)
 
     class EditableWheelWithAutoload(editable_wheel):
         """PEP 660 editable installs (``pip install -e .``) with the startup file."""

@@ -13,7 +13,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from fcdp_deepspeed.cache import EntryState, Placement
-from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.stats import fmt_bytes, plural
 
 
 def compression_words(config: Any) -> str:
@@ -38,8 +38,13 @@ def _cache_words(runtime: Any) -> str:
     budget = f"host budget {fmt_bytes(host_node)} per node (fcdp.host_budget {runtime.config.host_budget!r})"
     if runtime.config.cache_device == "device":
         budget += f", device budget {fmt_bytes(allocation.device_budget)} per rank"
-    return (f"cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of {len(entries)} parameters "
-            f"cached, slots per rank: {slots}")
+    # [Note: the parameters never entered] persistent, too small or quantized parameters get no entry; counting
+    # only entries printed "0 of 0 parameters cached" for a model whose 8 parameters were all persistent.
+    skipped = dict(getattr(getattr(runtime, "attachment", None), "uncached", None) or {})
+    total = len(entries) + sum(skipped.values())
+    why = "".join(f", {n} {reason}" for reason, n in sorted(skipped.items()))
+    return (f"cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of {plural(total, 'parameter')} "
+            f"cached{f' (not cached: {why[2:]})' if why else ''}, slots per rank: {slots}")
 
 
 def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
@@ -48,10 +53,11 @@ def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
     topo, config = runtime.topology, runtime.config
     grads = ("no optimizer, no gradients" if grad_plan is None else
              f"grad_reduce {grad_plan.grad_reduce}, grad_accumulation {grad_plan.grad_accumulation}")
-    return (f"fcdp: ON for this engine: {topo.num_nodes} nodes x {topo.ranks_per_node} ranks per node "
+    return (f"fcdp: ON for this engine: {plural(topo.num_nodes, 'node')} x {plural(topo.ranks_per_node, 'rank')} per node "
             f"(from {topo.source}); {_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
             f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
-            f"{runtime.log_interval or 'no'} steps at INFO.")
+            f"{runtime.log_interval or 'no'} steps at INFO "
+            f"(deepspeed.utils.logging.set_log_level_from_string(\"info\")).")
 
 
 def announce(runtime: Any, grad_plan: Optional[Any]) -> None:

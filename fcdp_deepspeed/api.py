@@ -15,6 +15,7 @@ import deepspeed  # noqa: E402
 import deepspeed.runtime.engine as _engine_module  # noqa: E402
 import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
 
+from fcdp_deepspeed import excepthook  # noqa: E402
 from fcdp_deepspeed.diloco import files as diloco_files  # noqa: E402
 from fcdp_deepspeed.engine_config import FCDPCheckedConfig, check_zero_init  # noqa: E402
 from fcdp_deepspeed.engine_stats import stats_of  # noqa: E402
@@ -49,6 +50,7 @@ def install() -> None:
     deepspeed.DeepSpeedConfig = FCDPCheckedConfig  # what deepspeed.initialize parses every config with
     diloco_files.install()  # fcdp.diloco: every node's checkpoint files (inert for other engines)
     check_zero_init(True)  # zero.Init(config_dict_or_path=...): a misplaced or misspelled block, with the fix
+    excepthook.install()  # an uncaught config error: one line per rank, not a traceback each
 
 
 def uninstall() -> None:
@@ -57,6 +59,7 @@ def uninstall() -> None:
     _engine_module.DeepSpeedZeRoOffload = _ORIGINAL_OFFLOAD
     _engine_module.MonitorMaster = _ORIGINAL_MONITOR
     deepspeed.DeepSpeedConfig = _ORIGINAL_CONFIG
+    excepthook.uninstall()
     check_zero_init(False)
     diloco_files.uninstall()
     uninstall_dispatch()

@@ -11,10 +11,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 import hjson
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from fcdp_deepspeed import ds_compat
 from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
@@ -23,8 +23,11 @@ from fcdp_deepspeed.diloco.config import DiLoCoField, ds_problems as diloco_prob
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
-#: ``fcdp.log_interval`` when neither it nor a finite ``steps_per_print`` is set.
+#: ``fcdp.log_interval`` when neither it nor a ``steps_per_print`` of at most MAX_FOLLOWED_STEPS_PER_PRINT is set.
 DEFAULT_LOG_INTERVAL = 10
+#: A larger ``steps_per_print`` is a way to silence DeepSpeed's own prints (the shipped configs set 1000000),
+#: not an interval anyone reads a report at: FCDP's line then keeps its own default.
+MAX_FOLLOWED_STEPS_PER_PRINT = 1000
 
 
 def parse_verify(value: Any) -> Any:
@@ -122,6 +125,13 @@ def _refuse_flat_compression(data: Any) -> None:
                               "grad_compression to \"off\".")
 
 
+def _size_string_to_bytes(value: Any, info: Any) -> Any:
+    """A size string ("32MiB", "1GB") as whole bytes; anything else goes to the strict ``int`` check."""
+    if isinstance(value, str) and _BUDGET_RE.match(value) and not value.strip().endswith("%"):
+        return int(Budget.parse(info.field_name, value).value)
+    return value
+
+
 class FCDPConfig(DiLoCoField):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
@@ -192,7 +202,7 @@ class FCDPConfig(DiLoCoField):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
-    miss_batch_bytes: int = Field(32 * 2**20, ge=0)
+    miss_batch_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(32 * 2**20, ge=0, json_schema_extra={"sizes": True})
     """With the hierarchical gather: when every stale cached parameter together is at most this many
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
@@ -212,8 +222,8 @@ class FCDPConfig(DiLoCoField):
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
-    DeepSpeed's ``steps_per_print`` when that is a positive whole number, else 10 (accelerate, hence the
-    HF Trainer, sets ``steps_per_print`` to infinity). ``0`` turns both off."""
+    DeepSpeed's ``steps_per_print`` when that is a whole number from 1 to 1000, else 10 (accelerate, hence the
+    HF Trainer, sets ``steps_per_print`` to infinity; configs silence DeepSpeed with 1000000). ``0`` turns both off."""
 
     @model_validator(mode="before")
     @classmethod
@@ -262,8 +272,8 @@ class FCDPConfig(DiLoCoField):
         if self.log_interval is not None:
             return self.log_interval
         finite = isinstance(steps_per_print, (int, float)) and not isinstance(steps_per_print, bool) and \
-            math.isfinite(steps_per_print) and steps_per_print >= 1 and float(steps_per_print).is_integer()
-        return int(steps_per_print) if finite else DEFAULT_LOG_INTERVAL
+            math.isfinite(steps_per_print) and float(steps_per_print).is_integer()
+        return int(steps_per_print) if finite and 1 <= steps_per_print <= MAX_FOLLOWED_STEPS_PER_PRINT else DEFAULT_LOG_INTERVAL
 
     @property
     def verify_rate(self) -> float:

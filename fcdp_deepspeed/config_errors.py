@@ -54,6 +54,8 @@ def expected(field: Any) -> str:
         text = "a whole number" + (f" >= {low}" if low is not None else "") + (f" and <= {high}" if high is not None else "")
         if "MultipleOf" in bounds:
             text += f", a multiple of {bounds['MultipleOf'].multiple_of}"
+        if (field.json_schema_extra or {}).get("sizes"):
+            text += " of bytes or a size such as \"32MiB\""
     else:
         text = "a valid value"
     return text
@@ -93,8 +95,26 @@ def validation_problems(errors: list[dict], fields: Mapping[str, Any]) -> list[s
             want = expected(field)
             default = "" if field.default is None else f" ({json.dumps(field.default)})"
             out.append(f"{FCDP_KEY}.{key} = {value!r}: expected {want}{did_you_mean(value, _choices(field))}. "
-                       f"Fix: set {FCDP_KEY}.{key} to {want}, or leave it out for the default{default}.")
+                       f"Fix: {_how_to_write(value, want) or f'set {FCDP_KEY}.{key} to {want}'}, or leave it out "
+                       f"for the default{default}.")
     return out
+
+
+def _how_to_write(value: Any, want: str) -> str:
+    """The JSON spelling of a value given in the wrong type (strict types: see FCDPConfig's note), or ``""``."""
+    if want == "true or false":
+        truthy = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+        meant = truthy.get(str(value).strip().lower()) if isinstance(value, (str, int)) else None
+        if meant is not None:
+            return f"write {json.dumps(meant)} (a JSON boolean, no quotes)"
+    if want.startswith("a whole number") and isinstance(value, (str, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        if number.is_integer():
+            return f"write {int(number)} (a JSON number" + (", no quotes)" if isinstance(value, str) else ")")
+    return ""
 
 
 def near_fcdp(key: Any) -> bool:

@@ -410,6 +410,11 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
+def plural(n: int, word: str) -> str:
+    """``"1 node"``, ``"2 nodes"``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 #: Counters the ``[fcdp]`` line reports per optimizer step of its interval (differences of running totals).
 INTERVAL_KEYS = ("inter_node_allgather_bytes", "inter_node_grad_reduce_bytes", "intra_node_allgather_bytes",
                  "intra_node_grad_reduce_bytes", "cache_hits", "cache_misses")

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from conftest import run_ranks
+from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS
 
 
 def test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize():
@@ -101,7 +102,8 @@ def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_
     assert set(out["errors"]) == {"dict", "path", "args", "config_params"}, out["errors"]
     for error in out["errors"].values():
         assert error.startswith("UnsupportedDeepSpeedVersion: this DeepSpeed config enables \"fcdp\" but FCDP is "
-                                "not active: fcdp-deepspeed was tested with deepspeed==0.16.9, 0.17.6, 0.18.9, 0.19.8"), error
+                                "not active: fcdp-deepspeed was tested with deepspeed=="
+                                + ", ".join(TESTED_DEEPSPEED_VERSIONS)), error
         assert "pip install deepspeed==0.19.8" in error and '"fcdp": {"enabled": false}' in error
     assert out["plain"] == ["engine", "engine"] and out["calls"] == 2
     # a failing install(): warned, and the same refusal naming what failed

@@ -107,7 +107,8 @@ def fresh(tmp_path_factory, dists) -> UserEnv:
 @pytest.fixture(scope="module", params=["wheel", "editable"])
 def installed(request, fresh: UserEnv) -> str:
     if request.param == "editable":
-        fresh.pip("install editable", "--no-deps", "-e", str(ROOT))
+        out = fresh.pip("install editable", "--no-deps", "-e", str(ROOT))
+        assert "Editable installation" not in out and "BuildBackendWarning" not in out, out  # setup.py's [Note]
     return request.param
 
 
@@ -133,12 +134,16 @@ def test_importing_deepspeed_installs_fcdp_unless_opted_out(fresh, installed):
 
 
 def test_console_script_and_doctor_from_the_wheel(fresh, installed):
-    """``fcdp --version`` and ``fcdp doctor`` as installed (console script): everything ok for a shipped config."""
+    """``fcdp --version``, ``fcdp configs`` and ``fcdp doctor`` as installed (console script): the wheel ships
+    the configs (``fcdp configs`` copies one out), and everything is ok for it."""
     if installed != "wheel":
         pytest.skip("the wheel's console script; the editable install replaces it with the same entry point")
     fcdp = fresh.python.parent / "fcdp"
     assert _run([fcdp, "--version"], fresh.env).strip() == f"fcdp-deepspeed {__version__}"
-    out = _run([fcdp, "doctor", ROOT / "configs" / "toy_fcdp.json", "--nodes", "2", "--ranks-per-node", "1"],
+    listed = _run([fcdp, "configs"], fresh.env, cwd=fresh.root)
+    assert f"{fresh.site}/fcdp_deepspeed/shipped/configs/toy_fcdp.json" in listed and "examples/train_toy.py" in listed
+    _run([fcdp, "configs", "toy_fcdp.json"], fresh.env, cwd=fresh.root)  # into the current folder
+    out = _run([fcdp, "doctor", fresh.root / "toy_fcdp.json", "--nodes", "2", "--ranks-per-node", "1"],
                fresh.env, cwd=fresh.root)
     assert "0 failed" in out and "startup file ran in this interpreter" in out and "plan for 2 nodes x 1" in out, out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -115,6 +116,36 @@ def test_doctor_lists_every_problem_of_a_block_at_once(tmp_path):
     assert "belongs at the top level" in fails[0] and "fcdp.host_budget = 0.5" in fails[1]
     assert "did you mean cache_device" in fails[2] and "got stage 2" in fails[3]
     assert any('"50%"' in c.fix for c in checks)
+
+
+@pytest.mark.parametrize("zero, fcdp, needles", [
+    ('{"stage": 3, "stagee": 1}', '{"enabled": true}', ["FAIL  deepspeed zero_optimization.stagee = 1"]),
+    ('{"stage": "three"}', '{"enabled": true}', ["FAIL  deepspeed zero_optimization.stage = 'three'"]),
+    ('{"stage": 2}', None, ['adding an "fcdp" block would be refused', "got stage 2", "before adding the block"]),
+    ('{"stage": 3}', '{"enabled": true, "grad_reduce": "tree"}', ["FAIL  block    fcdp.grad_reduce = 'tree'"]),
+])
+def test_doctor_reports_each_config_error_once_as_a_fail_line(tmp_path, capsys, zero, fcdp, needles):
+    """DeepSpeed's own refusals are FAIL lines (no traceback); a block error is listed once; a stage-2 config
+    without a block is not told that FCDP can run there."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_batch_size": 8, "zero_optimization": %s%s}' % (zero, f', "fcdp": {fcdp}' if fcdp else ""))
+    code, out, err = run(["doctor", str(cfg)], capsys)
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert code == 1 and "Traceback" not in out + err and len(fails) == 1, out
+    assert all(n in out for n in needles) and "FCDP can run here" not in out, out
+
+
+def test_doctor_command_prints_no_traceback_for_a_deepspeed_error(tmp_path):
+    """The installed ``fcdp`` script, as a user runs it."""
+    import shutil
+    import subprocess
+    import sys
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"zero_optimization": {"stage": "three"}, "fcdp": {"enabled": true}}')
+    exe = shutil.which("fcdp", path=os.path.dirname(sys.executable)) or "fcdp"
+    proc = subprocess.run([exe, "doctor", str(cfg)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "FAIL  deepspeed zero_optimization.stage = 'three'" in proc.stdout
 
 
 def test_doctor_resolves_the_plan_for_a_layout(tmp_path):

@@ -44,6 +44,27 @@ def test_bad_values_name_the_key(block, key):
     assert f"fcdp.{key}" in str(err.value)
 
 
+@pytest.mark.parametrize("block, fix", [
+    ({"enabled": "yes"}, "Fix: write true (a JSON boolean, no quotes)"),
+    ({"enabled": 1}, "Fix: write true (a JSON boolean, no quotes)"),
+    ({"enabled": "false"}, "Fix: write false (a JSON boolean, no quotes)"),
+    ({"min_numel": "1000"}, "Fix: write 1000 (a JSON number, no quotes)"),
+    ({"ranks_per_node": 2.0}, "Fix: write 2 (a JSON number)"),
+    ({"log_interval": True}, "expected a whole number >= 0"),
+    ({"miss_batch_bytes": "50%"}, "of bytes or a size such as \"32MiB\""),
+])
+def test_strict_types_refuse_what_json_would_spell_differently(block, fix):
+    """Strict types (FCDPConfig's [Note: strict types]): no coercion of strings, 1 or floats; the fix spells it."""
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, **block}} if "enabled" not in block else {"fcdp": block})
+    assert f"fcdp.{next(iter(block))} = {next(iter(block.values()))!r}" in str(err.value) and fix in str(err.value)
+
+
+def test_byte_counts_take_a_size_string_the_one_documented_exception():
+    assert parse_fcdp_config({"fcdp": {"miss_batch_bytes": "32MiB"}}).miss_batch_bytes == 32 * 2**20
+    assert parse_fcdp_config({"fcdp": {"miss_batch_bytes": 1000}}).miss_batch_bytes == 1000
+
+
 def test_block_must_be_an_object():
     with pytest.raises(FCDPConfigError):
         parse_fcdp_config({"fcdp": "yes"})
@@ -109,12 +130,13 @@ def test_version_gate(monkeypatch):
     assert check_deepspeed_version("0.20.1") == "0.20.1"
 
 
-def test_log_interval_defaults_to_finite_steps_per_print_else_10():
+def test_log_interval_defaults_to_a_readable_steps_per_print_else_10():
+    """steps_per_print up to 1000 is followed; 1000000 (the shipped configs' way to silence DeepSpeed) is not."""
     from fcdp_deepspeed.config import DEFAULT_LOG_INTERVAL, FCDPConfig
     plain = FCDPConfig()
     assert DEFAULT_LOG_INTERVAL == 10
-    assert [plain.resolved_log_interval(v) for v in (5, 5.0, None, float("inf"), 0, -1, 2.5, True, "10")] == \
-        [5, 5, 10, 10, 10, 10, 10, 10, 10]
+    assert [plain.resolved_log_interval(v) for v in (5, 5.0, 1000, None, float("inf"), 1000000, 0, -1, 2.5, True,
+                                                     "10")] == [5, 5, 1000, 10, 10, 10, 10, 10, 10, 10, 10]
     assert FCDPConfig(log_interval=3).resolved_log_interval(float("inf")) == 3
     assert FCDPConfig(log_interval=0).resolved_log_interval(7) == 0  # off
     with pytest.raises(FCDPConfigError, match="log_interval"):
@@ -188,3 +210,28 @@ def test_misplaced_or_misspelled_block_is_refused_where_deepspeed_parses_configs
     path.write_text(json.dumps(cfg))
     with pytest.raises(FCDPConfigError, match="Fix"):
         deepspeed.zero.Init(config_dict_or_path=str(path))
+
+
+def test_an_uncaught_config_error_is_one_line_per_rank(monkeypatch, capsys):
+    """What each rank prints when the block is refused (fcdp_deepspeed/excepthook.py): one line naming the key
+    and the fix, no traceback; FCDP_TRACEBACK=1 (the broken variant, as before) hands it to the previous hook."""
+    import os
+    import subprocess
+    import sys
+
+    from fcdp_deepspeed import excepthook
+    code = ("import deepspeed, fcdp_deepspeed; fcdp_deepspeed.install(); "
+            "from fcdp_deepspeed.config import parse_fcdp_config; parse_fcdp_config({'fcdp': {'enabled': 'yes'}})")
+    short = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="3", DS_ACCELERATOR="cpu"),
+                           capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in short.stderr.splitlines() if not ln.startswith("[20")]  # DeepSpeed's own log lines
+    assert short.returncode == 1 and "Traceback" not in short.stderr, short.stderr[-3000:]
+    assert lines[0].startswith("[rank 3] FCDPConfigError: invalid \"fcdp\" config block: fcdp.enabled = 'yes'") and \
+        "Fix: write true" in lines[0] and len(lines) == 2, lines
+    seen = []
+    monkeypatch.setattr(excepthook, "_PREVIOUS", [lambda *exc: seen.append(exc[0])])
+    monkeypatch.setenv("FCDP_TRACEBACK", "1")
+    excepthook._hook(FCDPConfigError, FCDPConfigError("x"), None)
+    monkeypatch.setenv("FCDP_TRACEBACK", "0")
+    excepthook._hook(KeyError, KeyError("other errors keep their traceback"), None)
+    assert seen == [FCDPConfigError, KeyError] and capsys.readouterr().err == ""

@@ -26,6 +26,7 @@ from packaging.metadata import Metadata
 from packaging.requirements import Requirement
 
 from fcdp_deepspeed.version import __version__
+from fcdp_deepspeed import version_gate
 from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION, deepspeed_requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def test_metadata_is_complete_and_valid(dists):
     assert meta.license_expression == "Apache-2.0" and meta.license_files == ["LICENSE"]
     assert meta.author and meta.summary and meta.keywords and meta.project_urls
     assert str(meta.requires_python) == ">=3.10"
-    assert "Programming Language :: Python :: 3.11" in meta.classifiers
+    assert {"Programming Language :: Python :: 3.10", "Programming Language :: Python :: 3.11"} <= set(meta.classifiers)
     assert meta.description_content_type == "text/markdown" and meta.description.startswith("# fcdp-deepspeed")
     requires = {Requirement(str(r)).name: Requirement(str(r)) for r in meta.requires_dist if not r.marker}
     assert str(requires["deepspeed"].specifier) == str(Requirement(deepspeed_requirement()).specifier)
@@ -65,6 +66,38 @@ def test_sdist_and_wheel_hold_what_they_need(dists):
     assert "fcdp_deepspeed_autoload.pth," in record  # pip uninstall removes it
     assert f"fcdp_deepspeed-{__version__}.dist-info/licenses/LICENSE" in files
     assert "fcdp_deepspeed/tools/doctor.py" in files and not any(f.startswith("tests/") for f in files)
+    assert "fcdp_deepspeed/deepspeed_releases.json" in files and "fcdp_deepspeed/deepspeed_releases.json" in names
+    shipped = {f.split("/", 2)[2] for f in files if f.startswith("fcdp_deepspeed/shipped/")}
+    assert shipped == {f"{d}/{p.name}" for d, suffix in (("configs", ".json"), ("examples", ".py"))
+                       for p in (ROOT / d).glob(f"*{suffix}")}, shipped  # every config and example, as in the sdist
+
+
+PY310 = Path("/root/.pyenv/versions/3.10.13/bin/python3.10")
+
+
+@pytest.mark.skipif(not PY310.exists(), reason="no Python 3.10 on this machine")
+def test_python_3_10_installs_the_wheel_and_finds_the_shipped_configs(dists, tmp_path):
+    """What ``requires-python >=3.10`` and the 3.10 classifier claim: the wheel installs into a Python 3.10 venv
+    (``--no-deps``: no torch for 3.10 here), every module byte-compiles, and the standard-library parts run:
+    the version gate reads its table, ``fcdp configs`` lists the shipped configs and copies one out."""
+    subprocess.run([PY310, "-m", "venv", tmp_path / "py310"], check=True, timeout=300)
+    py = tmp_path / "py310" / "bin" / "python"
+    env = offline_pip_env()
+    pip = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(dists["wheel"])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    compiled = subprocess.run([py, "-m", "compileall", "-q", f"{site}/fcdp_deepspeed"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stdout[-3000:]
+    code = ("from fcdp_deepspeed import version_gate as g; print(','.join(g.TESTED_DEEPSPEED_VERSIONS)); "
+            "from fcdp_deepspeed.tools import configs; raise SystemExit(configs.main(['toy_fcdp.json', '--to', 'out']))")
+    run = subprocess.run([py, "-c", code], cwd=tmp_path, env=dict(env, FCDP_AUTOLOAD="0"), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines()[0] == ",".join(TESTED_DEEPSPEED_VERSIONS) and "shipped/configs/toy_fcdp.json" in run.stdout
+    assert json.loads((tmp_path / "out" / "toy_fcdp.json").read_text()) == json.loads(
+        (ROOT / "configs" / "toy_fcdp.json").read_text())
 
 
 def test_ranges_pins_and_gate_agree():
@@ -75,12 +108,25 @@ def test_ranges_pins_and_gate_agree():
     assert str(deps["deepspeed"]) == str(Requirement(deepspeed_requirement()))
     spec = deps["deepspeed"].specifier
     assert all(v in spec for v in TESTED_DEEPSPEED_VERSIONS) and "0.16.8" not in spec and "0.20.0" not in spec
+    table = version_gate.load()
+    # exactly the releases the table records as passed: every other release of the range is excluded
+    assert [v for v in table["candidates"] if v in spec] == sorted(TESTED_DEEPSPEED_VERSIONS, key=version_gate.release_key)
     assert all(v in deps["torch"].specifier for v in (TESTED_TORCH_VERSION, "2.14.0", "2.15.0"))
     pins = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")]
     assert pins == [f"torch=={TESTED_TORCH_VERSION}", f"deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}"]
     setup_env = (ROOT / "scripts" / "setup_env.sh").read_text()
     assert setup_env.count("-c constraints.txt") == 2  # torch first, then the package, both pinned
     assert "==" not in "".join(d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def test_the_release_table_in_the_docs_is_the_gates():
+    """docs/deepspeed-releases.md shows the table the gate reads (scripts/check_all_releases.py writes both)."""
+    text = (ROOT / "docs" / "deepspeed-releases.md").read_text()
+    shown = text.split(version_gate.BEGIN, 1)[1].split(version_gate.END, 1)[0].strip()
+    table = version_gate.load()
+    assert shown == version_gate.markdown(table)
+    assert sorted(table["candidates"], key=version_gate.release_key) == table["candidates"] and \
+        set(table["results"]) <= set(table["candidates"])
 
 
 def stand_in_env(root: Path, dists: dict[str, str]) -> Path:
@@ -110,16 +156,42 @@ def dry_run(python: Path, target: str, report: Path) -> subprocess.CompletedProc
 
 
 #: What a user's environment may hold, beside fcdp-deepspeed's other requirements.
-STACKS = {
-    "torch 2.14 + deepspeed 0.19.8": {"torch": "2.14.0", "deepspeed": "0.19.8"},
-    "torch 2.15 + deepspeed 0.16.9": {"torch": "2.15.0", "deepspeed": "0.16.9"},
-    "torch 2.13 + deepspeed 0.17.6": {"torch": "2.13.0", "deepspeed": "0.17.6"},
-    "torch 2.15 + deepspeed 0.18.9": {"torch": "2.15.0", "deepspeed": "0.18.9"},
-}
+STACKS = {f"torch {t} + deepspeed {d}": {"torch": f"{t}.0", "deepspeed": d}
+          for t, d in zip(("2.14", "2.15", "2.13", "2.15"), reversed(TESTED_DEEPSPEED_VERSIONS))}  # admitted ones
 OTHERS = {"pydantic": "2.11.0", "hjson": "3.1.0", "psutil": "7.0.0", "py-cpuinfo": "9.0.0"}
 #: Environments the declared range must refuse (pip cannot satisfy it offline): outside 0.16.9 .. < 0.20.
 REFUSED = {"deepspeed 0.15.4": {"torch": "2.13.0", "deepspeed": "0.15.4"},
            "deepspeed 0.20.0": {"torch": "2.13.0", "deepspeed": "0.20.0"}}
+#: ... and the newest release inside it that the gate does not admit (failed or not run: the issue's 0.17.5).
+_GAPS = [v for v in version_gate.load()["candidates"] if v not in TESTED_DEEPSPEED_VERSIONS]
+if _GAPS:
+    REFUSED[f"deepspeed {_GAPS[-1]} (not admitted)"] = {"torch": "2.13.0", "deepspeed": _GAPS[-1]}
+
+
+HF_TESTED = {"transformers": "5.25.0", "peft": "0.21.2", "accelerate": "1.16.0"}
+#: The [hf] extra: the stack the suite runs is kept; an older torch or transformers is refused, not replaced.
+HF_CASES = {"tested HF stack, torch 2.13": ({"torch": "2.13.0", **HF_TESTED}, True),
+            "tested HF stack, torch 2.5.1": ({"torch": "2.5.1", **HF_TESTED}, False),
+            "transformers 4.46.3, torch 2.13": ({"torch": "2.13.0", **HF_TESTED, "transformers": "4.46.3"}, False)}
+
+
+def test_hf_extra_keeps_the_tested_stack_and_refuses_others(dists, tmp_path):
+    """``pip install "fcdp-deepspeed[hf]"`` resolved like the base install: with the tested HF stack and torch it
+    installs fcdp-deepspeed alone; with torch 2.5.1 (below accelerate 1.16's floor) or an older transformers,
+    offline pip refuses instead of resolving to a set nobody ran."""
+    deepspeed = {"deepspeed": TESTED_DEEPSPEED_VERSIONS[-1]}
+    pythons = {name: stand_in_env(tmp_path / f"hf{i}", {**OTHERS, **deepspeed, **stack})
+               for i, (name, (stack, _)) in enumerate(HF_CASES.items())}
+    target = f"fcdp-deepspeed[hf] @ {dists['wheel'].as_uri()}"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = dict(zip(HF_CASES, pool.map(lambda n: dry_run(pythons[n], target, tmp_path / f"{n}.json"), HF_CASES)))
+    for name, (_, kept) in HF_CASES.items():
+        if kept:
+            assert procs[name].returncode == 0, (name, procs[name].stderr[-2000:])
+            report = json.loads((tmp_path / f"{name}.json").read_text())
+            assert [i["metadata"]["name"] for i in report["install"]] == ["fcdp-deepspeed"], (name, report["install"])
+        else:
+            assert procs[name].returncode != 0, (name, procs[name].stdout[-2000:])
 
 
 def test_pip_keeps_the_torch_and_deepspeed_already_installed(dists, tmp_path):

@@ -52,6 +52,17 @@ def test_engine_line_names_layout_cache_gather_gradients_and_compression():
     lossy = compression_words(FCDPConfig(param_compression="int8", grad_compression="int4"))
     assert lossy == "LOSSY int8/int4: param_compression int8, grad_compression int4, block 128"
     assert compression_words(FCDPConfig(grad_compression="int8")).startswith("LOSSY int8: ")
+    one = engine_line(_runtime(FCDPConfig(enabled=True), nodes=1, ranks=1), plan)
+    assert one.startswith("fcdp: ON for this engine: 1 node x 1 rank per node"), one
+
+
+def test_engine_line_counts_the_parameters_that_never_entered_the_cache():
+    """Persistent parameters get no cache entry: the line says so instead of "0 of 0 parameters cached"."""
+    runtime = _runtime(FCDPConfig(enabled=True))
+    runtime.cache.entries.clear()
+    runtime.attachment = SimpleNamespace(uncached={"persistent (stage3_param_persistence_threshold)": 8})
+    line = engine_line(runtime, None)
+    assert "0 of 8 parameters cached (not cached: 8 persistent (stage3_param_persistence_threshold))" in line, line
 
 
 def test_one_set_of_names_for_the_monitor_and_hf_logs():

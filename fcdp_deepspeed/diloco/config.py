@@ -10,14 +10,13 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
-from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
 from fcdp_deepspeed.config_errors import FCDP_KEY, did_you_mean
+from fcdp_deepspeed.config_model import StrictConfigModel
 
 KEY = f"{FCDP_KEY}.diloco"
 
 
-class DiLoCoConfig(DeepSpeedConfigModel):
+class DiLoCoConfig(StrictConfigModel):
     """``fcdp.diloco``: each node is one DiLoCo replica (exact ZeRO-3 over the node's ranks); every ``sync_every``
     optimizer steps the nodes average their pseudo-gradients (outer - local) and take one outer Nesterov step."""
 
@@ -94,7 +93,7 @@ def parse_diloco(value: Any) -> DiLoCoConfig | None:
 DiLoCoBlock = Annotated[Optional[DiLoCoConfig], BeforeValidator(parse_diloco)]
 
 
-class DiLoCoField(DeepSpeedConfigModel):
+class DiLoCoField(StrictConfigModel):
     """The base of ``FCDPConfig`` that holds its ``diloco`` key (kept here, with the block it parses)."""
 
     diloco: DiLoCoBlock = None

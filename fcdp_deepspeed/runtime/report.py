@@ -1,6 +1,7 @@
 """Reporting: one engine's stats dictionary, and its periodic log line and monitor events."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -23,6 +24,25 @@ def slot_bytes(cache: Any, placement: Placement) -> int:
     """Bytes of the slots of this rank's cached parameters in ``placement``, filled or not (what the cache
     holds after the first forward; ``held_bytes`` is what is valid now, 0 for trainable ones after a step)."""
     return sum(e.nbytes for e in cache.entries.values() if e.state is not EntryState.DISABLED and e.placement is placement)
+
+
+def log_info(line: str) -> None:
+    """``line`` at INFO through DeepSpeed's logger whenever that logger is at INFO or below.
+
+    [Note: the logger's level, not its handler's] The documented switch is DeepSpeed's own,
+    ``deepspeed.utils.logging.set_log_level_from_string("info")`` (or ``deepspeed.utils.logger.setLevel``).
+    DeepSpeed 0.19 sets the level on the logger and its stdout handler; 0.16-0.18 set it on the logger only, so
+    the handler, created at WARNING, drops every INFO record and the ``[fcdp]`` line never shows. Handing the
+    record to the handlers directly (``Handler.handle`` skips the handler's level) makes the one switch work
+    on every admitted release; DeepSpeed's own INFO lines are unchanged."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, line, None, None, "log_info")
+    if logger.handlers:
+        for handler in logger.handlers:
+            handler.handle(record)
+    else:
+        logger.handle(record)
 
 
 @dataclass(eq=False)
@@ -56,7 +76,7 @@ class Report:
             if self.monitor is not None:
                 self.monitor.write_events(monitor_events(stats, step))
             if dist.get_rank() == 0:
-                logger.info(format_stats_line(stats, self.last_reported))
+                log_info(format_stats_line(stats, self.last_reported))
             self.last_reported = stats
 
     def stats(self) -> dict:

@@ -81,3 +81,8 @@ def number_list(item: Callable[[str], Any]) -> Callable[[str], list]:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
         return [item(x) for x in parts]
     return check
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 node"``, ``"2 nodes"`` (the same as ``fcdp_deepspeed.stats.plural``, without torch)."""
+    return f"{n} {word}" + ("" if n == 1 else "s")

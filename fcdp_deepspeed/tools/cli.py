@@ -1,4 +1,4 @@
-"""The ``fcdp`` command: ``fcdp doctor``, ``fcdp plan``, ``fcdp demo``, ``fcdp bench``, ``fcdp converge``, ``fcdp soak``, ``fcdp --version``."""
+"""The ``fcdp`` command: ``fcdp doctor``, ``fcdp plan``, ``fcdp demo``, ``fcdp bench``, ``fcdp converge``, ``fcdp soak``, ``fcdp configs``, ``fcdp --version``."""
 from __future__ import annotations
 
 import difflib
@@ -12,11 +12,12 @@ COMMANDS = {
     "bench": ("fcdp_deepspeed.tools.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
     "converge": ("fcdp_deepspeed.tools.converge", "exact vs int8/int4 inter-node compression: a tiny LM on real text"),
     "soak": ("fcdp_deepspeed.tools.fuzz.soak", "random event sequences against ZeRO-3 (docs/reliability.md)"),
+    "configs": ("fcdp_deepspeed.tools.configs", "the shipped configs and examples: their paths, or a copy of one"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: fcdp {doctor,plan,demo,bench,converge,soak} [options]   (fcdp COMMAND --help for its options)",
+    lines = ["usage: fcdp {doctor,plan,demo,bench,converge,soak,configs} [options]   (fcdp COMMAND --help for its options)",
              "       fcdp --version", ""]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)

@@ -139,13 +139,34 @@ def config_checks(path: str) -> tuple[list[Check], Optional[dict]]:
     return out + block_checks(dict(cfg)), dict(cfg)
 
 
+def deepspeed_checks(cfg: dict) -> list[Check]:
+    """DeepSpeed's own validation of ``zero_optimization``, one FAIL per bad key (never a traceback)."""
+    from deepspeed.runtime.zero.config import get_zero_config
+    from pydantic import ValidationError
+    try:
+        get_zero_config(dict(cfg))
+    except ValidationError as err:
+        return [Check("deepspeed", "FAIL", f"zero_optimization.{'.'.join(str(p) for p in e.get('loc') or ())} = "
+                      f"{e.get('input')!r}: {e.get('msg')} (DeepSpeed refuses this config at deepspeed.initialize)",
+                      "fix the key as DeepSpeed's message says (docs: deepspeed.ai/docs/config-json)")
+                for e in err.errors()]
+    except Exception as err:  # [Note: doctor reports, never crashes: whatever DeepSpeed raises is the finding]
+        return [Check("deepspeed", "FAIL", f"zero_optimization: DeepSpeed refuses it: {type(err).__name__}: {err}",
+                      "fix the zero_optimization block as the message says")]
+    return []
+
+
+def _fail(area: str, message: str) -> Check:
+    return Check(area, "FAIL", message.split(" Fix: ")[0], message.split(" Fix: ", 1)[1] if " Fix: " in message else "")
+
+
 def block_checks(cfg: dict) -> list[Check]:
-    """Every problem of the block at once: placement, each bad key, the DeepSpeed settings it cannot run with."""
+    """Every problem of the block at once, each once: placement, each bad key, the DeepSpeed settings it cannot
+    run with (also for a config without a block: whether adding one would be refused)."""
     from fcdp_deepspeed.config import (FCDPConfigError, check_ds_config_compatible, grad_path_blockers,
                                        parse_fcdp_config, placement_problems)
     from fcdp_deepspeed.config_errors import near_fcdp
-    out = [Check("block", "FAIL", p.split(" Fix: ")[0], p.split(" Fix: ")[-1] if " Fix: " in p else "")
-           for p in placement_problems(cfg)]
+    out = [_fail("block", p) for p in placement_problems(cfg)]
     if "fcdp" not in cfg:  # a misplaced or misspelled block: check what it says as if it sat where it belongs
         zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
         stray = [v for k, v in list(cfg.items()) + list(zero.items()) if near_fcdp(k)]
@@ -156,22 +177,32 @@ def block_checks(cfg: dict) -> list[Check]:
     try:
         enabled = parse_fcdp_config(cfg).enabled
     except FCDPConfigError as err:
-        out += [Check("block", "FAIL", p.split(" Fix: ")[0], p.split(" Fix: ")[1] if " Fix: " in p else "")
-                for p in err.problems]
+        out += [_fail("block", p) for p in err.problems]
         enabled = None
+    deepspeed = deepspeed_checks(cfg)
+    out += deepspeed
+    meant = raw is True or isinstance(raw, dict) and raw.get("enabled") is True
     if enabled is False:
-        return out + [Check("block", "WARN", "no enabled \"fcdp\" block: this config runs plain ZeRO-3",
-                            "add \"fcdp\": {\"enabled\": true} at the top level")]
-    if enabled is None and not (raw is True or isinstance(raw, dict) and raw.get("enabled") is True):
+        out.append(Check("block", "WARN", "no enabled \"fcdp\" block: this config runs DeepSpeed without FCDP",
+                         "add \"fcdp\": {\"enabled\": true} at the top level"))
+    if deepspeed or (enabled is None and not meant):
         return out
     if enabled:
         out.append(Check("block", "ok", "the \"fcdp\" block is valid and enabled"))
+    # [Note: with the block invalid (already listed above) or absent, check the rest with a minimal enabled
+    # block, so each block error is reported once and a stage-2 config says that a block would be refused.]
+    probe = cfg if enabled else {**cfg, "fcdp": {"enabled": True}}
     try:
-        check_ds_config_compatible(cfg)
+        check_ds_config_compatible(probe)
     except FCDPConfigError as err:
-        out.append(Check("block", "FAIL", str(err).split(" Fix: ")[0], str(err).split(" Fix: ", 1)[-1]))
-    out += [Check("block", "WARN", f"gradient modes fall back to DeepSpeed's path: {b.split(' Fix: ')[0]}",
-                  b.split(" Fix: ")[-1]) for b in grad_path_blockers(cfg)]
+        found = _fail("block", str(err))
+        if enabled is False:
+            found.message = f"adding an \"fcdp\" block would be refused: {found.message}"
+            found.fix = found.fix.replace(' or set "fcdp": {"enabled": false}', " before adding the block")
+        return out + [found]
+    if enabled is not False:
+        out += [Check("block", "WARN", f"gradient modes fall back to DeepSpeed's path: {b.split(' Fix: ')[0]}",
+                      b.split(" Fix: ")[-1]) for b in grad_path_blockers(cfg)]
     return out
 
 
@@ -182,7 +213,7 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     from fcdp_deepspeed.config import grad_accumulation_blockers, grad_path_blockers, parse_fcdp_config
     from fcdp_deepspeed.plan import resolve_grad_plan
     from fcdp_deepspeed.runtime.allocation import host_budget_per_node
-    from fcdp_deepspeed.stats import fmt_bytes
+    from fcdp_deepspeed.stats import fmt_bytes, plural
 
     block = parse_fcdp_config(cfg)
     ga = cfg.get("gradient_accumulation_steps")
@@ -198,7 +229,7 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     cache = ("none: one node, nothing to save across nodes" if nodes == 1 else
              f"cache_device {block.cache_device}, host budget {fmt_bytes(host_node)} per node on this machine "
              f"({block.host_budget!r} of {limit.describe()}), {fmt_bytes(host_node // ranks_per_node)} per rank")
-    return {"layout": f"{nodes} nodes x {ranks_per_node} ranks per node", "cache": cache,
+    return {"layout": f"{plural(nodes, 'node')} x {plural(ranks_per_node, 'rank')} per node", "cache": cache,
             "param_gather": block.resolved_param_gather(nodes, ranks_per_node),
             "grad_reduce": f"{grads.grad_reduce} ({grads.reduce_reason})", "grad_accumulation": accumulation,
             "compression": compression_words(block)}
@@ -208,7 +239,11 @@ def run(config: Optional[str], nodes: Optional[int], ranks_per_node: Optional[in
     results = installation_checks()
     plan: dict = {}
     if config:
-        more, cfg = config_checks(config)
+        try:
+            more, cfg = config_checks(config)
+        except Exception as err:  # [Note: doctor reports, never crashes: an unforeseen error is a finding too]
+            more, cfg = [Check("config", "FAIL", f"{config}: checking it raised {type(err).__name__}: {err}",
+                               "fix what the message names; please report it if the config is valid")], None
         results += more
         block = (cfg or {}).get("fcdp") if isinstance((cfg or {}).get("fcdp"), dict) else {}
         L = ranks_per_node or block.get("ranks_per_node")
@@ -241,7 +276,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\nplan for {plan.pop('layout')}:")
         for key, value in plan.items():
             print(f"  {key:<17} {value}")
-    verdict = "" if failed or not args.config else ": FCDP can run here with this config"
+    off = any(c.status == "WARN" and "no enabled" in c.message for c in results)
+    verdict = "" if failed or not args.config else (": FCDP can run here once the block is enabled" if off
+                                                     else ": FCDP can run here with this config")
     print(f"\n{failed} failed, {warned} {'warning' if warned == 1 else 'warnings'}{verdict}")
     return 1 if failed else 0
 

@@ -68,12 +68,18 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+#: Whether this process already said why ranks are spawned (one line, not one per rank).
+_SPAWN_SAID: list[bool] = [False]
+
+
 def _fork(server: "forkserver.ForkServer", argv: list[str], env: dict, log: Path) -> Optional["forkserver.ForkedRank"]:
     """Rank from the fork server, or None (then it is spawned) when the server refuses or is gone."""
     try:
         return server.spawn(argv, env, str(log))
     except (OSError, RuntimeError, ValueError) as err:
-        print(f"fcdp launch: spawning the rank instead of forking it ({err})", file=sys.stderr)
+        if not _SPAWN_SAID[0]:
+            _SPAWN_SAID[0] = True
+            print(f"fcdp launch: spawning ranks instead of forking them ({err})", file=sys.stderr)
         return None
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from fcdp_deepspeed.tools import args as checks
+from fcdp_deepspeed.tools.args import plural
 from fcdp_deepspeed.tools.plan_compression import SETTINGS, compressed_step
 from fcdp_deepspeed.tools.plan_diloco import diloco_plan, format_diloco
 
@@ -289,7 +290,7 @@ def format_plan(result: dict, assumptions: Optional[list[str]] = None) -> str:
     s = result["spec"]
     gather = "hierarchical" if s["param_gather"] != "flat" and s["nodes"] > 1 and s["ranks_per_node"] > 1 else "flat"
     lines = [f"{s['params'] / 1e9:.2f}B params x {s['dtype_bytes']} B ({_gib(s['params'] * s['dtype_bytes'])} GiB), "
-             f"{s['nodes']} nodes x {s['ranks_per_node']} ranks, trainable {s['trainable_fraction']:.2%}, GA "
+             f"{plural(s['nodes'], 'node')} x {plural(s['ranks_per_node'], 'rank')}, trainable {s['trainable_fraction']:.2%}, GA "
              f"{s['grad_accum']}, {s['inter_gbps']:g} Gbit/s per node uplink, {s['backend']} collectives, "
              f"{s['regime']} release regime, FCDP miss gather {gather}", ""]
     lines += ["inter-node bytes per optimizer step, GiB: 'cluster' = summed over all node uplinks, 'per uplink' = "
@@ -398,7 +399,7 @@ def assumptions(spec: ClusterSpec, given: set[str], from_config: set[str]) -> li
         f"{mark('trainable_fraction', f'trainable fraction {spec.trainable_fraction:g}')}, "
         f"{mark('no_backward_fraction', f'no-backward fraction {spec.no_backward_fraction:g}')}, "
         f"{mark('grad_accum', f'GA {spec.grad_accum}')}, {mark('regime', f'{spec.regime} release regime')}",
-        f"layout: {spec.nodes} nodes x {spec.ranks_per_node} ranks per node, ranks numbered node-major; "
+        f"layout: {plural(spec.nodes, 'node')} x {plural(spec.ranks_per_node, 'rank')} per node, ranks numbered node-major; "
         f"{mark('backend', spec.backend)} ring collectives; {mark('param_gather', f'param_gather {spec.param_gather}')}",
         f"links: {mark('inter_gbps', f'{spec.inter_gbps:g} Gbit/s per node uplink')}, "
         f"{mark('intra_gbps', f'{spec.intra_gbps:g} Gbit/s per accelerator inside a node')}, "
@@ -423,8 +424,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag, kind, default, text in _OPTIONS:
         shown = text if "default" in text or default is None else f"{text} (default: {default})"
         ap.add_argument(flag, type=kind, default=None, help=shown)
-    for flag in _LEGACY_GB:  # the former decimal-GB spellings, converted
-        ap.add_argument(flag, type=checks.non_negative(), default=None, help=argparse.SUPPRESS)
+    for flag, dest in _LEGACY_GB.items():  # the decimal-GB spellings (docs/BENCHMARKS.md uses them), converted
+        ap.add_argument(flag, type=checks.non_negative(), default=None,
+                        help=f"--{dest.replace('_', '-')} given in decimal GB (10^9 bytes) instead of GiB")
     ap.add_argument("--regime", choices=["large", "default"], default=None, help="DeepSpeed release regime (default: large)")
     ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="collective library (default: nccl)")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default=None,
