@@ -205,4 +205,4 @@ def test_unmodified_script_under_launcher(fresh, installed, launcher, tmp_path):
         assert r["optimizer"] == ("FCDPStage3" if enabled else "CountedStage3"), r
         assert (r["cache_hits"] > 0) == enabled, r
     # "Is it on?": the one WARNING line of an FCDP engine, at DeepSpeed's default log level
-    assert (log.count("fcdp: ON for this engine: 2 nodes x 1 ranks per node") == 1) == enabled, log[-3000:]
+    assert (log.count("fcdp: ON for this engine: 2 nodes x 1 rank per node") == 1) == enabled, log[-3000:]
