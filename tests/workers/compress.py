@@ -125,7 +125,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 def _engine(compression: str = "off", lora_rank: int = 0, seed: int = 0, zero: dict | None = None, hidden: int = HIDDEN,
             dtype: str = "bf16", activation_checkpointing: bool = False, **extra):
-    block = fcdp_block(2, param_compression=compression, **extra)
+    # the drift stats are per report interval ([fcdp] line, every 10 steps by default): no report, so they cover the run
+    block = fcdp_block(2, param_compression=compression, **{"log_interval": 0, **extra})
     cfg = toy.ds_config(block, regime="large", dtype=dtype, **(zero or {}))
     if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
         from deepspeed.accelerator import get_accelerator
