@@ -207,7 +207,7 @@ class FCDPConfig(DiLoCoField):
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
-    param_push_bytes: int = Field(2**30, ge=0)  # docs/configuration.md; runtime/runahead.py
+    param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""

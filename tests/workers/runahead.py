@@ -23,7 +23,7 @@ def _edit_trainable(engine, delta: float) -> None:
 
 
 def _run(fcdp: bool, ckpt_dir: str, tag: str) -> dict:
-    cfg = toy.ds_config(fcdp_block() if fcdp else None, regime="large")
+    cfg = toy.ds_config(fcdp_block(param_push_bytes=2**30) if fcdp else None, regime="large")  # opt-in
     engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
     # from the third step on nothing synchronizes the ranks between a push and its use (DeepSpeed's trace is complete)
     losses = toy.train(engine, 3, hidden=HIDDEN).losses
