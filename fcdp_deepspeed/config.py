@@ -394,8 +394,7 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
         problems.append("zero_optimization.zero_quantized_weights / zero_quantized_nontrainable_weights (ZeRO++ qwZ) "
                         "are not supported with fcdp. Fix: set them to false")
-    if zero.offload_param is not None and str(getattr(zero.offload_param.device, "value",
-                                                      zero.offload_param.device)) == "nvme":
+    if ds_compat.offload_device(zero, "offload_param") == "nvme":
         problems.append("zero_optimization.offload_param.device = nvme is not supported with fcdp. "
                         "Fix: use \"cpu\" or \"none\"")
     if ds_compat.zenflow_config(zero) is not None:

@@ -51,6 +51,13 @@ def zenflow_config(zero_config: Any) -> Any:
     return getattr(zero_config, "zenflow", None)
 
 
+def offload_device(zero_config: Any, which: str) -> str:
+    """``zero_optimization.<which>.device`` (``offload_param``/``offload_optimizer``) as a string, ``"none"``
+    without the block (the device is an enum on every supported release)."""
+    block = getattr(zero_config, which, None)
+    return "none" if block is None else str(getattr(block.device, "value", block.device))
+
+
 def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
     """``deepspeed.comm.all_gather_object`` where it exists (0.17-0.19); 0.16's ``deepspeed.comm`` has
     none, and there the call goes to ``torch.distributed``, which is what DeepSpeed's backend calls too."""

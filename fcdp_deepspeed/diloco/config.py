@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from fcdp_deepspeed.config_errors import FCDP_KEY, did_you_mean
+from fcdp_deepspeed.ds_compat import offload_device
 from fcdp_deepspeed.config_model import StrictConfigModel
 
 KEY = f"{FCDP_KEY}.diloco"
@@ -118,12 +119,10 @@ def ds_problems(fcdp: Any, zero: Any, ds_config: Mapping[str, Any]) -> list[str]
     if diloco is not None and diloco.fragments > 1:
         out.append(f"fcdp.diloco.fragments = {diloco.fragments}: streaming DiLoCo (one fragment at a time) is not "
                    f"implemented in this version. Fix: set fcdp.diloco.fragments to 1 (or leave it out)")
-    if zero.offload_param is not None and str(getattr(zero.offload_param.device, "value",
-                                                      zero.offload_param.device)) != "none":
+    if offload_device(zero, "offload_param") != "none":
         out.append("zero_optimization.offload_param with fcdp.diloco is not supported in this version. "
                    "Fix: remove offload_param")
-    if zero.offload_optimizer is not None and str(getattr(zero.offload_optimizer.device, "value",
-                                                          zero.offload_optimizer.device)) == "nvme":
+    if offload_device(zero, "offload_optimizer") == "nvme":
         out.append("zero_optimization.offload_optimizer.device = nvme with fcdp.diloco (the fp32 master weights the "
                    "outer step rewrites live on disk). Fix: use \"cpu\" or \"none\"")
     if zero.zero_quantized_gradients:
