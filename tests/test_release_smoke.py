@@ -214,8 +214,15 @@ def test_fcdp_line_shows_with_deepspeeds_documented_switch():
     left DeepSpeed's handler at WARNING, see report.log_info's note); at WARNING it stays hidden."""
     import io
 
+    import logging
+
+    import deepspeed.utils.logging as ds_logging
     from deepspeed.utils import logger
-    from deepspeed.utils.logging import set_log_level_from_string
+
+    def set_log_level_from_string(level: str) -> None:
+        """DeepSpeed's switch; 0.16.9 has none, there ``deepspeed.utils.logger.setLevel`` is the way."""
+        switch = getattr(ds_logging, "set_log_level_from_string", None)
+        switch(level) if switch is not None else logger.setLevel(getattr(logging, level.upper()))
 
     from fcdp_deepspeed.runtime.report import log_info
     level, handlers = logger.level, [(h, h.level, getattr(h, "stream", None)) for h in logger.handlers]
