@@ -195,6 +195,15 @@ class FCDPConfig(DiLoCoField):
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
 
+    grad_bucket_size: Union[Literal["auto"], Annotated[int, Field(ge=0, strict=True)]] = "auto"
+    """With the hierarchical reduce: a cap on DeepSpeed's ``reduce_bucket_size`` (elements), so the inter-node stage
+    of early buckets crosses while the backward computes later ones. ``auto``: an eighth of the trainable elements, at
+    least 2**18, at most DeepSpeed's value; ``0``: DeepSpeed's value (``grads/steps.py``, [Note: bucket-sized work])."""
+    grad_inflight_buckets: int = Field(4, ge=0, strict=True)
+    """With the hierarchical reduce: inter-node gradient stages left in flight while the backward goes on; the oldest
+    is completed at the next bucket beyond this many, all at the backward's end. ``0``: each completes where it is
+    issued (the synchronous path). ``grads/inflight.py``, [Note: the inter-node stage runs behind the backward]."""
+
     param_gather: Literal["flat", "hierarchical", "auto"] = "auto"
     """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring
     all-gather over the whole data-parallel group ((W-1)/W of the parameter over each node uplink).

@@ -39,22 +39,20 @@ accumulation steps changed after initialize.
 from __future__ import annotations
 
 from deepspeed import comm as dist
-from deepspeed.utils import logger
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import announce, device, ds_compat, faults, grads, strict_device, timeline
+from fcdp_deepspeed import announce, ds_compat, faults, grads, strict_device, timeline
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.diloco.hooks import DiLoCoSteps
+from fcdp_deepspeed.grads.steps import AVG_SCATTER as _AVG_SCATTER, GradSteps
 from fcdp_deepspeed.runtime import FCDPRuntime
 from fcdp_deepspeed.runtime.counting import count_plain_engine
-from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters, fmt_bytes
+from fcdp_deepspeed.stats import GRAD_FAMILY, LEDGER, CommCounters
 
-#: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
-_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 _BUCKET = timeline.Phase.GRAD_BUCKET  # a gradient bucket's (or the window flush's) host time (timeline.py)
 assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
 
@@ -219,7 +217,7 @@ class CompressionSteps:
             self.fcdp.weights_rewritten("weights restored")
 
 
-class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
+class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
     """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (``fcdp.diloco``: diloco/hooks.py)."""
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
@@ -250,86 +248,9 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
             accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
             accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
+        self._cap_reduce_bucket(fcdp_config.grad_bucket_size, [p for p in params if p.requires_grad])
         announce.announce(self.fcdp, self.fcdp_grad_plan)
         self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
-
-    # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
-    def independent_gradient_partition_epilogue(self) -> None:
-        super().independent_gradient_partition_epilogue()
-        if self.fcdp_grads is not None and ds_compat.is_boundary(self):
-            self._flush_node_buffer()
-
-    def step(self, closure=None):
-        if self.fcdp_grads is not None and self.fcdp_grads.buffer.dirty:
-            # Unreachable when the engine drives the boundary; never step without the window's sums.
-            self._flush_node_buffer()
-        return super().step(closure)
-
-    # -- gradient path (grads/) -------------------------------------------------------------------
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
-        # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]
-        self._plan_buffer_if_window_grew()
-        with grads.bucket(self.fcdp_grads, params_to_reduce):
-            return getattr(super(), _AVG_SCATTER)(params_to_reduce, *args, **kwargs)
-
-    def _plan_buffer_if_window_grew(self) -> None:
-        """The first bucket of the first window of more than one micro-step allocates the node buffer when
-        build time saw one micro-step per window (Megatron sets the accumulation steps after initialize).
-        Every rank reduces its first bucket together, so the agreement all-reduce is safe here; checked at
-        the bucket rather than where the engine sets the boundary flag, which is a method call in 0.19 and
-        an attribute write in 0.17/0.18 (``ds_compat.is_boundary``). A window already under way finishes
-        per rank (its partitions hold micro-steps DeepSpeed added)."""
-        reducer = self.fcdp_grads
-        if (reducer is None or not reducer.node_accumulation or reducer.buffer_planned or self.micro_step_id != 0
-                or ds_compat.is_boundary(self)):
-            return
-        with self._attributed(), LEDGER.tagged(None):  # the budget agreement is planning, not gradient traffic
-            reducer.plan_buffer()
-        if dist.get_rank() == 0:
-            logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "
-                        f"buffer allocated now ({fmt_bytes(reducer.buffer.nbytes)}/rank {reducer.buffer.device})")
-
-    def partition_grads(self, params_to_release, grad_partitions):
-        reducer = self.fcdp_grads
-        if reducer is None or not reducer.node_accumulation:
-            return super().partition_grads(params_to_release, grad_partitions)
-        copy, add, skip = reducer.split_delivered(params_to_release)
-        buffers = []
-        saved = self.micro_step_id
-        try:
-            for indices, step_id in ((copy, 0), (add, 1)):  # DeepSpeed copies at micro_step_id 0, else adds
-                if indices:
-                    self.micro_step_id = step_id
-                    buffers += super().partition_grads([params_to_release[i] for i in indices],
-                                                       [grad_partitions[i] for i in indices])
-        finally:
-            self.micro_step_id = saved
-        for i in skip:  # in the node buffer: free the full gradient as DeepSpeed does after reducing it
-            param = params_to_release[i]
-            if param.grad is not None:
-                device.record_stream(param.grad)
-            param.grad = None
-        return buffers
-
-    def _flush_node_buffer(self) -> None:
-        """Deliver window sums of parameters that got no gradient in the boundary micro-step."""
-        reducer = self.fcdp_grads
-        if not reducer.buffer.dirty:
-            return
-        # __avg_scatter_grads rescales after its reduce-scatter only for gradient_predivide_factor != 1 (which
-        # DeepSpeed 0.16.9-0.19.8 refuse with reduce_scatter, the only path the reducer serves) and for expert-parallel
-        # groups (not the DP group, so never buffered): the flushed sums are final as they are.
-        stream = self.reduce_and_partition_stream
-        with self._attributed(), LEDGER.tagged(GRAD_FAMILY), device.stream(stream), self._timed(_BUCKET):
-            for params, parts in reducer.flush(self.communication_data_type, self.reduce_bucket_size):
-                self.partition_grads(params, parts)
-        # [Note: flush ordering] The step reads the partitions on the current stream: ordering it after the
-        # reduce stream suffices. With an offloaded optimizer the host reads the fp32 gradients that
-        # partition_grads copied asynchronously, so the host waits, as DeepSpeed's epilogue does.
-        if self.offload_optimizer:
-            device.host_wait_stream(stream)
-        else:
-            device.wait_stream(stream)
 
     def _pre_step(self) -> None:
         super()._pre_step()

@@ -45,6 +45,7 @@ from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import GradReducer
+from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.grads.layout import ReduceLayout
 from fcdp_deepspeed.plan import GradPlan, check_grad_compression
 from fcdp_deepspeed.stats import EventCounters, fmt_bytes, received_bytes
@@ -91,27 +92,24 @@ class GradCompressor:
         self._step_sq: Optional[torch.Tensor] = None  # the same for the last applied step
 
     def inter_node(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int],
-                   exact: Callable[[list], list]) -> list[torch.Tensor]:
-        """Stage 2 for several parameters: compressed where a residual slot exists, ``exact`` for the rest."""
+                   exact: Callable[[list], Inflight]) -> Inflight:
+        """Stage 2 for several parameters, issued: compressed where a residual slot exists, ``exact`` for the rest."""
         mine = [i for i, d in enumerate(ds_ids) if self.store.covers(d)]
         if len(mine) == len(ds_ids):
             return self.exchange(node_sums, ds_ids)
-        out: list[Optional[torch.Tensor]] = [None] * len(ds_ids)
         rest = sorted(set(range(len(ds_ids))) - set(mine))
-        if mine:
-            for i, own in zip(mine, self.exchange([node_sums[i] for i in mine], [ds_ids[i] for i in mine])):
-                out[i] = own
-        for i, own in zip(rest, exact([node_sums[i] for i in rest])):
-            out[i] = own
-        return out  # type: ignore[return-value]
+        pieces = [(mine, self.exchange([node_sums[i] for i in mine], [ds_ids[i] for i in mine]))] if mine else []
+        return Inflight.merged(len(ds_ids), pieces + [(rest, exact([node_sums[i] for i in rest]))])
 
-    def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
-        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions
-        (timed as the codec's phase, its all-to-all as the inter-node stage: ``timeline.py``)."""
+    def exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> Inflight:
+        """See [Note: the compressed exchange]: ``(N, P_i)`` node sums -> this rank's ``P_i`` partitions, at completion.
+        Encode (and the residual write) at issue, decode at completion ([Note: the inter-node stage runs behind the
+        backward] in ``grads/inflight.py``); both timed as the codec's phase, the all-to-all as the inter-node stage
+        (``timeline.py``)."""
         with timeline.waiting(timeline.Phase.CODEC):
             return self._exchange(node_sums, ds_ids)
 
-    def _exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> list[torch.Tensor]:
+    def _exchange(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int]) -> Inflight:
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
         scale, me, exact_own = self.loss_scale(), self.me, not faults.compression_broken("own_row")
@@ -137,16 +135,22 @@ class GradCompressor:
         self.store.writes_done()
         recv = torch.empty_like(packed)
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            dist.all_to_all_single(recv, packed, group=self.peer_group)
-        rows = self.codec.decode_rows(recv, left.shape[1])
-        if exact_own:
-            rows[me] = x[me]  # what this rank sent itself, exact (residual-free: it never had one)
-        total = rows[0].clone()
-        for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
-            total.add_(row)
+            work = dist.all_to_all_single(recv, packed, group=self.peer_group, async_op=True)
         self.counters.bump(exchanges=1, compressed_bytes=received_bytes(
             "all_to_all_single", {"input": packed}, self.layout.nodes, 0))
-        return list(total.to(self.accumulation_dtype).split(sizes))
+        return Inflight([work], lambda: self._decode(recv, x, sizes, exact_own), (packed, recv))
+
+    def _decode(self, recv: torch.Tensor, x: torch.Tensor, sizes: Sequence[int], exact_own: bool) -> list[torch.Tensor]:
+        """The completed exchange's partitions: every received row decoded and summed (the own row exact)."""
+        me = self.me
+        with timeline.waiting(timeline.Phase.CODEC):
+            rows = self.codec.decode_rows(recv, x.shape[1])
+            if exact_own:
+                rows[me] = x[me]  # what this rank sent itself, exact (residual-free: it never had one)
+            total = rows[0].clone()
+            for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
+                total.add_(row)
+            return list(total.to(self.accumulation_dtype).split(sizes))
 
     def _accumulate(self, left: torch.Tensor, quantized_sq: torch.Tensor) -> None:
         sq = torch.stack([left.square().sum(), quantized_sq])

@@ -9,6 +9,7 @@ from deepspeed import comm as dist
 
 import deepspeed.comm.comm as _comm_module
 from fcdp_deepspeed import faults, timeline
+from fcdp_deepspeed.grads.inflight import Inflight, issue_delay
 from fcdp_deepspeed.grads.layout import ReduceLayout
 
 
@@ -33,17 +34,24 @@ class StageCollectives:
 
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
+        return self._issue_scatter_sum(inp, group, parts, async_op=False).complete()[0]
+
+    def _issue_scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, async_op: bool = True) -> Inflight:
+        """:meth:`_scatter_sum` issued (``async_op``: not waited for; ``inp`` is held until it completes)."""
         if self.use_alltoall:
             recv = torch.empty_like(inp)
-            dist.all_to_all_single(recv, inp, group=group)
-            rows = recv.view(parts, -1)
-            total = rows[0].to(self.accumulation_dtype, copy=True)
-            for row in rows[1:]:  # fixed order: group-rank order
-                total.add_(row.to(self.accumulation_dtype))
-            return total
+            work = dist.all_to_all_single(recv, inp, group=group, async_op=async_op)
+
+            def total() -> list:
+                rows = recv.view(parts, -1)
+                out = rows[0].to(self.accumulation_dtype, copy=True)
+                for row in rows[1:]:  # fixed order: group-rank order
+                    out.add_(row.to(self.accumulation_dtype))
+                return [out]
+            return Inflight([work], total, (inp, recv))
         out = torch.empty(inp.numel() // parts, dtype=inp.dtype, device=inp.device)
-        dist.reduce_scatter_tensor(out, inp, group=group)
-        return out.to(self.accumulation_dtype)
+        work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
+        return Inflight([work], lambda: [out.to(self.accumulation_dtype)], (inp, out))
 
     def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
@@ -52,13 +60,22 @@ class StageCollectives:
 
     def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                      window_sums: bool = False) -> list[torch.Tensor]:
-        """Stage 2 of the parameters ``ds_ids``: :meth:`inter_node`, or quantized with error feedback where
+        """Stage 2 of the parameters ``ds_ids``, waited for at once: :meth:`issue_across_nodes`, completed."""
+        inflight = self.issue_across_nodes(node_sums, comm_dtype, ds_ids, window_sums)
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            return inflight.complete()
+
+    def issue_across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
+                           window_sums: bool = False) -> Inflight:
+        """Stage 2 of the parameters ``ds_ids`` issued, not waited for ([Note: the inter-node stage runs behind the
+        backward] in ``inflight.py``): :meth:`issue_inter_node`, or quantized with error feedback where
         ``fcdp.grad_compression`` holds a residual for them ([Note: the compressed exchange]: it encodes the
-        accumulation-dtype sums, so no fp16 cast of a window sum arises there)."""
+        accumulation-dtype sums at issue and decodes at completion, so no fp16 cast of a window sum arises there)."""
+        issue_delay()
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
             if self.compressor is None:
-                return self.inter_node(node_sums, comm_dtype, window_sums)
-            exact = lambda sums: self.inter_node(sums, comm_dtype, window_sums)  # noqa: E731
+                return self.issue_inter_node(node_sums, comm_dtype, window_sums)
+            exact = lambda sums: self.issue_inter_node(sums, comm_dtype, window_sums)  # noqa: E731
             return self.compressor.inter_node(node_sums, ds_ids, exact)
 
     def wire_dtype(self, comm_dtype: torch.dtype, window_sums: bool) -> torch.dtype:
@@ -76,9 +93,14 @@ class StageCollectives:
 
     def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
                    window_sums: bool = False) -> list[torch.Tensor]:
-        """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum.
+        """:meth:`issue_inter_node`, waited for at once."""
+        return self.issue_inter_node(node_sums, comm_dtype, window_sums).complete()
+
+    def issue_inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
+                         window_sums: bool = False) -> Inflight:
+        """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum, at completion.
         ``window_sums``: some of them hold more than one micro-step ([Note: fp16 window sums])."""
         sizes = [t.shape[1] for t in node_sums]
         inp = torch.cat(node_sums, dim=1).to(self.wire_dtype(comm_dtype, window_sums)).contiguous()
-        own = self._scatter_sum(inp.view(-1), self.peer_group, self.layout.nodes)
-        return list(own.split(sizes))
+        issued = self._issue_scatter_sum(inp.view(-1), self.peer_group, self.layout.nodes)
+        return Inflight(issued.works, lambda: list(issued.finish()[0].split(sizes)), issued.buffers)

@@ -10,10 +10,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from fcdp_deepspeed import timeline
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads.collectives import StageCollectives
 from fcdp_deepspeed.grads.buffer import BufferPlanner, NodeGradBuffer
 from fcdp_deepspeed.grads.delivery import DeliveryLedger
+from fcdp_deepspeed.grads.inflight import InterNodeQueue, Pending
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel, own_chunk_numel, pack_chunks
 from fcdp_deepspeed.plan import BufferFit
 from fcdp_deepspeed.stats import EventCounters
@@ -56,6 +58,8 @@ class GradReducer:
         self.planner = BufferPlanner(config, layout, dp_group, accumulation_dtype, self.buffer)
         self.counters = GradCounters()
         self.delivery = DeliveryLedger()
+        #: Stage 2 in flight ([Note: the inter-node stage runs behind the backward] in ``inflight.py``).
+        self.queue = InterNodeQueue(config.grad_inflight_buckets)
 
     # -- the node buffer (buffer.py) -----------------------------------------------------------
     def measure_buffer(self, params: Sequence[torch.nn.Parameter]) -> BufferFit:
@@ -115,20 +119,47 @@ class GradReducer:
             deliver.append((i, cols))
         if buffered:
             self.buffer.accumulate(buffered)
+        direct: list = []
         if deliver:
-            owns = self.comm.across_nodes([c for _, c in deliver], comm_dtype, [params[i].ds_id for i, _ in deliver],
-                                          window_sums=window)
-            for (i, _), own in zip(deliver, owns):
-                results[i] = own.narrow(0, 0, own_chunk_numel(params[i].ds_numel, world, layout.dp_rank))
-        self.delivery.delivered(params[i].ds_id for i, _ in deliver)
-        self.counters.bump(accumulated=len(params) - len(deliver), delivered=len(deliver))
+            entry = self._issue([params[i] for i, _ in deliver], [c for _, c in deliver], comm_dtype, window)
+            if self.deferring:
+                self.queue.add(entry)
+                for i, _ in deliver:
+                    results[i] = tensors[i].new_empty(0, dtype=self.accumulation_dtype)
+            else:  # grad_inflight_buckets 0: completed at once, the partitions go back to DeepSpeed
+                direct = entry.params
+                for (i, _), part in zip(deliver, self.complete(entry)):
+                    results[i] = part
+        self.delivery.delivered(p.ds_id for p in direct)
+        self.counters.bump(accumulated=len(params) - len(deliver))
         return results  # type: ignore[return-value]
 
-    def flush(self, comm_dtype: torch.dtype, bucket_numel: int) -> Iterator[tuple[list, list[torch.Tensor]]]:
+    def _issue(self, params: Sequence[torch.nn.Parameter], sums: list[torch.Tensor], comm_dtype: torch.dtype,
+               window_sums: bool) -> Pending:
+        """Stage 2 of ``params`` issued (their ``(N, P_i)`` node sums ``sums``): [Note: the inter-node stage runs
+        behind the backward] in ``inflight.py``."""
+        inflight = self.comm.issue_across_nodes(sums, comm_dtype, [p.ds_id for p in params], window_sums=window_sums)
+        world, rank = self.layout.dp_size, self.layout.dp_rank
+        return Pending(list(params), inflight, [own_chunk_numel(p.ds_numel, world, rank) for p in params])
+
+    @property
+    def deferring(self) -> bool:
+        """Whether stage 2 is left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
+        return self.queue.depth > 0
+
+    def complete(self, entry: Pending) -> list[torch.Tensor]:
+        """Wait for ``entry``'s stage 2 (the host on gloo, the current stream on NCCL); its partitions, in DeepSpeed's
+        lengths, recorded in the ledger as the next delivery."""
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            owns = entry.inflight.complete()
+        self.delivery.delivered(p.ds_id for p in entry.params)
+        self.counters.bump(delivered=len(entry.params))
+        return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]
+
+    def flush(self, comm_dtype: torch.dtype, bucket_numel: int) -> Iterator[Pending]:
         """Stage 2 for every parameter whose window sum is still in the buffer (no gradient in the
-        boundary micro-step). Yields ``(params, partitions)`` batches in ds_id order; each is delivered
-        before the next is reduced."""
-        world = self.layout.dp_size
+        boundary micro-step), issued in batches of about ``bucket_numel`` elements in ds_id order; yields each
+        batch's :class:`Pending` (the caller queues or completes it before the next is issued)."""
         pending = sorted(self.buffer.dirty)
         by_id = self.planner.params_by_id
         batch: list[int] = []
@@ -138,16 +169,11 @@ class GradReducer:
             numel += self.buffer.offsets[ds_id][1]
             if numel < bucket_numel and k + 1 < len(pending):
                 continue
-            params = [by_id[i] for i in batch]
             # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
             sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
                     for i in batch]
-            owns = self.comm.across_nodes(sums, comm_dtype, batch, window_sums=True)
-            parts = [own.narrow(0, 0, own_chunk_numel(p.ds_numel, world, self.layout.dp_rank))
-                     for p, own in zip(params, owns)]
-            self.delivery.delivered(batch)
-            self.counters.bump(delivered=len(batch), flushed=len(batch))
-            yield params, parts
+            self.counters.bump(flushed=len(batch))
+            yield self._issue([by_id[i] for i in batch], sums, comm_dtype, window_sums=True)
             batch, numel = [], 0
 
     # -- delivery into DeepSpeed's partitions ---------------------------------------------------
@@ -174,5 +200,6 @@ class GradReducer:
             "grad_accumulated": c.accumulated,
             "grad_delivered": c.delivered,
             "grad_flushed": c.flushed,
+            "grad_inflight_max": self.queue.high_water,
             **(self.comm.compressor.stats() if self.comm.compressor is not None else {}),
         }

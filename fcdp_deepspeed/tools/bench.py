@@ -51,7 +51,10 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                # issue 31: the run-ahead of stage 1 (runtime/runahead.py) is opt-in; the committed
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
-               "fcdp_node_push": {"grad_accumulation": "node", "param_push_bytes": 2**30}}
+               "fcdp_node_push": {"grad_accumulation": "node", "param_push_bytes": 2**30},
+               # issue 31 item 3: the gradient's inter-node stage as before it ran behind the backward (each stage
+               # waited for where it is issued, DeepSpeed's bucket size: one bucket for the bench model)
+               "fcdp_node_syncgrad": {"grad_accumulation": "node", "grad_inflight_buckets": 0, "grad_bucket_size": 0}}
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
 #: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): time whole sync intervals (``--steps`` a multiple of H).
 DILOCO_ENGINES = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
@@ -60,7 +63,8 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", *COMPRESSED_ENGINES, *DILOCO_ENGINES)
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
+               *DILOCO_ENGINES)
 
 
 @dataclass

@@ -1,0 +1,145 @@
+"""The gradient's inter-node stage in flight: one issued collective (:class:`Inflight`) and the FIFO of those whose
+partitions DeepSpeed has not received yet (:class:`InterNodeQueue`).
+
+[Note: the inter-node stage runs behind the backward]
+Stage 2 of the hierarchical reduce-scatter (``layout.py``, [Note: the two-stage reduction]) is issued per bucket as
+soon as the bucket's stage 1 summed (at the boundary micro-step under node accumulation, every micro-step under
+``grad_accumulation: rank``), asynchronously (``async_op=True``), and its result is delivered later: the bucket's
+parameters are *skip* in DeepSpeed's ``partition_grads`` (their full gradients are freed, as for buffered ones), and
+the queue delivers them (the fixed-order sum, then DeepSpeed's copy/add) when
+
+- more than ``fcdp.grad_inflight_buckets`` are in flight: the oldest, at the next bucket (the memory bound: each holds
+  its send and receive buffers, about 3/L of its bucket's elements in fp32);
+- the backward ends (``independent_gradient_partition_epilogue``, after DeepSpeed's last bucket and before the window
+  flush): every one of them, before anything reads a gradient partition (the fp16 overflow check, the norm, the step,
+  ``safe_get_full_grad``); ``step()`` checks that none is left.
+
+Completion is FIFO, on every rank: gloo pairs a group's collectives by issue order, and issue points (the buckets, in
+DeepSpeed's program order) are the same on every rank, so FIFO keeps a parameter delivered twice in a window (reentrant
+checkpointing) copied before it is added to. Completion issues no collective, so where a rank waits does not matter
+to its peers.
+
+Backends ([Note: NCCL vs gloo] in the overlap notes): on gloo the collective runs on the peer group's worker threads
+and ``wait()`` is the host's only wait, at completion; on NCCL it runs on the group's stream, which waits for the
+issuing stream (FCDP issues it on DeepSpeed's reduce stream), and ``wait()`` at completion makes the then current
+stream (the reduce stream again) wait for it, with no host wait: the next buckets' intra-node stages are not queued
+behind it. Buffers handed to an in-flight collective are held by its :class:`Inflight` and never written until it
+completed. Strict mode models the collective on its group's stream: a read of its output before ``wait()`` is an
+ordering error (``FCDP_BREAK_GRADS=read_early``, ``tests/test_grad_overlap.py``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from deepspeed import comm as dist
+
+BREAK_ENV = "FCDP_BREAK_GRADS"
+#: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every inter-node gradient stage (skew, so that a
+#: read before completion shows on gloo).
+DELAY_ENV = "FCDP_GRAD_ISSUE_DELAY"
+#: ``read_early``: completion reads the received buffer without waiting for the collective; ``no_drain``: the
+#: backward's end does not complete the queue (the step reads partitions without those gradients).
+BREAKS = ("read_early", "no_drain")
+
+
+def grads_broken(what: str) -> bool:
+    """Whether ``FCDP_BREAK_GRADS`` names ``what`` (test-only; one lookup when unset)."""
+    value = os.environ.get(BREAK_ENV)
+    if not value:
+        return False
+    named = {v.strip() for v in value.split(",") if v.strip()}
+    if named - set(BREAKS):
+        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
+    return what in named
+
+
+def issue_delay() -> None:
+    """Test-only skew (``FCDP_GRAD_ISSUE_DELAY``): sleep before this rank issues an inter-node stage."""
+    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
+    if rank and int(rank) == dist.get_rank():
+        time.sleep(float(seconds))
+
+
+@dataclass(eq=False)
+class Inflight:
+    """One issued inter-node stage: the works to wait for, the buffers they use (held until then), and ``finish``,
+    which turns the received data into the partitions (after every wait)."""
+
+    works: list
+    finish: Callable[[], list]
+    buffers: tuple = ()
+
+    def complete(self) -> list[torch.Tensor]:
+        if not grads_broken("read_early"):
+            for work in self.works:
+                if work is not None:
+                    work.wait()
+        out = self.finish()
+        if grads_broken("read_early"):  # the broken variant read too early; let the buffers die only when done
+            for work in self.works:
+                if work is not None:
+                    work.wait()
+        self.buffers, self.works = (), []
+        return out
+
+    @staticmethod
+    def done(parts: list[torch.Tensor]) -> "Inflight":
+        """An already complete stage (nothing to send)."""
+        return Inflight([], lambda: parts)
+
+    @staticmethod
+    def merged(count: int, pieces: Sequence[tuple[Sequence[int], "Inflight"]]) -> "Inflight":
+        """Several stages for one list of ``count`` parameters: piece ``(indices, inflight)`` covers ``indices``."""
+        def finish() -> list:
+            out: list[Optional[torch.Tensor]] = [None] * count
+            for indices, inflight in pieces:
+                for i, part in zip(indices, inflight.complete()):
+                    out[i] = part
+            return out
+        return Inflight([], finish)
+
+
+@dataclass(eq=False)
+class Pending:
+    """A bucket's (or flush batch's) parameters whose partitions arrive with ``inflight``."""
+
+    params: list
+    inflight: Inflight
+    #: Each partition's length in DeepSpeed's layout (``own_chunk_numel``).
+    lengths: list
+
+
+@dataclass
+class InterNodeQueue:
+    """The FIFO of :class:`Pending` stages of one reducer (see [Note: the inter-node stage runs behind the backward]).
+    Thread-safe: buckets are reduced on autograd threads, the epilogue on the engine's."""
+
+    depth: int
+    entries: deque = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: The most stages in flight at once since the engine was built (``grad_inflight_max``).
+    high_water: int = 0
+
+    def add(self, entry: Pending) -> None:
+        with self._lock:
+            self.entries.append(entry)
+            self.high_water = max(self.high_water, len(self.entries))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def take(self, keep: int) -> Iterator[Pending]:
+        """The oldest entries, in issue order, until at most ``keep`` are left."""
+        while True:
+            with self._lock:
+                if len(self.entries) <= keep:
+                    return
+                entry = self.entries.popleft()
+            yield entry
