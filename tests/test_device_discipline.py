@@ -40,6 +40,9 @@ SCENARIOS = [
     # the flush path compressed too
     dict(name="host_full_node_int8_gated", fcdp={"cache_device": "host", **NODE, "grad_compression": "int8"},
          grad_accum=4, gate={3}, steps=3, rtol=2e-2, weights_rtol=0.1, top=TOP),
+    # issue 31: small buckets, two inter-node stages in flight behind the backward (grads/inflight.py), the flush too
+    dict(name="host_full_node_buckets_gated", fcdp={"cache_device": "host", **NODE, "grad_bucket_size": 256,
+                                                    "grad_inflight_buckets": 2}, grad_accum=2, gate={1}, steps=3, top=TOP),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)
@@ -62,11 +65,17 @@ ORDERINGS = {
     # the residual stream waits for the new residual (reduce stream) before copying it to the host
     "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write .* is not "
                        r"ordered after its write on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+"),
+    # the reduce stream waits for the gradient's inter-node stage (its group's stream) before reading what it received
+    # (issue 31: the stage runs behind the backward, grads/inflight.py); exact, and compressed (decoded at completion)
+    "inter_node_wait": (r"read of [\w ]+ on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ total .* is "
+                        r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
+    "codec_inter_node_wait": (r"read of [\w ]+ on stream 'ds_reduce_and_partition' at compress/\w+.py:\d+ \w+ .* is "
+                              r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
     "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "
                          r"'default' at fcdp_deepspeed/cache.py:\d+ move"),
 }
-RESIDUAL = ["residual_ready", "residual_value"]
+RESIDUAL = ["residual_ready", "residual_value", "codec_inter_node_wait"]
 BREAKS = [{"scenario": BY_NAME["host_full_node_gated"],
            "breaks": [k for k in ORDERINGS if k != "deferred_release" and k not in RESIDUAL]},
           {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]},  # the move: end of step 2

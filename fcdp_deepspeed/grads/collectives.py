@@ -58,6 +58,11 @@ class StageCollectives:
         with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
             return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
 
+    def issue_node_stage(self, stage1: torch.Tensor) -> Inflight:
+        """:meth:`node_stage` issued, not waited for: its result is ``complete()[0]``, viewed ``(N, ...)``."""
+        with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
+            return self._issue_scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node)
+
     def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                      window_sums: bool = False) -> list[torch.Tensor]:
         """Stage 2 of the parameters ``ds_ids``, waited for at once: :meth:`issue_across_nodes`, completed."""

@@ -1,31 +1,37 @@
-"""The gradient's inter-node stage in flight: one issued collective (:class:`Inflight`) and the FIFO of those whose
-partitions DeepSpeed has not received yet (:class:`InterNodeQueue`).
+"""The gradient's stages in flight: one issued collective (:class:`Inflight`) and the FIFO of those not taken on yet
+(:class:`InterNodeQueue`).
 
 [Note: the inter-node stage runs behind the backward]
-Stage 2 of the hierarchical reduce-scatter (``layout.py``, [Note: the two-stage reduction]) is issued per bucket as
-soon as the bucket's stage 1 summed (at the boundary micro-step under node accumulation, every micro-step under
-``grad_accumulation: rank``), asynchronously (``async_op=True``), and its result is delivered later: the bucket's
-parameters are *skip* in DeepSpeed's ``partition_grads`` (their full gradients are freed, as for buffered ones), and
-the queue delivers them (the fixed-order sum, then DeepSpeed's copy/add) when
+Both stages of the hierarchical reduce-scatter (``layout.py``, [Note: the two-stage reduction]) are issued per bucket
+asynchronously (``async_op=True``) when the on-gloo path is the default (``fcdp.grad_inflight_buckets`` > 0), and their
+results are taken on later, in issue order:
 
-- more than ``fcdp.grad_inflight_buckets`` are in flight: the oldest, at the next bucket (the memory bound: each holds
-  its send and receive buffers, about 3/L of its bucket's elements in fp32);
-- the backward ends (``independent_gradient_partition_epilogue``, after DeepSpeed's last bucket and before the window
-  flush): every one of them, before anything reads a gradient partition (the fp16 overflow check, the norm, the step,
-  ``safe_get_full_grad``); ``step()`` checks that none is left.
+- stage 1 (inside the node) of bucket k completes at bucket k + 1 (or the backward's end): its node sums go into the
+  node buffer (a micro-step before the boundary under node accumulation) or stage 2 is issued at once;
+- stage 2 (across nodes) completes when more than ``grad_inflight_buckets`` are in flight (the oldest, at the next
+  bucket: the memory bound, each holds its send and receive buffers, about 3/L of its bucket's elements in fp32) and
+  at the backward's end (``independent_gradient_partition_epilogue``, after DeepSpeed's last bucket and before the
+  window flush): the fixed-order sum, then DeepSpeed's copy/add into its partition. So every stage completes before
+  anything reads a gradient partition (the fp16 overflow check, the norm, the step, ``safe_get_full_grad``), and
+  ``step()`` checks that none is left.
 
-Completion is FIFO, on every rank: gloo pairs a group's collectives by issue order, and issue points (the buckets, in
-DeepSpeed's program order) are the same on every rank, so FIFO keeps a parameter delivered twice in a window (reentrant
-checkpointing) copied before it is added to. Completion issues no collective, so where a rank waits does not matter
-to its peers.
+Until then the bucket's parameters are *skip* in DeepSpeed's ``partition_grads`` (their full gradients are freed, as
+for buffered ones). Under node accumulation stage 2 is issued only at the boundary micro-step, when the window's sum
+exists; under ``grad_accumulation: rank`` every micro-step.
 
-Backends ([Note: NCCL vs gloo] in the overlap notes): on gloo the collective runs on the peer group's worker threads
-and ``wait()`` is the host's only wait, at completion; on NCCL it runs on the group's stream, which waits for the
-issuing stream (FCDP issues it on DeepSpeed's reduce stream), and ``wait()`` at completion makes the then current
-stream (the reduce stream again) wait for it, with no host wait: the next buckets' intra-node stages are not queued
-behind it. Buffers handed to an in-flight collective are held by its :class:`Inflight` and never written until it
-completed. Strict mode models the collective on its group's stream: a read of its output before ``wait()`` is an
-ordering error (``FCDP_BREAK_GRADS=read_early``, ``tests/test_grad_overlap.py``).
+Completion is FIFO on every rank: gloo pairs a group's collectives by issue order, and the issue points (buckets in
+DeepSpeed's program order, completions triggered by counts, never by timing) are the same on every rank; FIFO also
+keeps a parameter delivered twice in a window (reentrant checkpointing) copied before it is added to. Completion
+itself issues no collective but the stage 2 it may start.
+
+Backends ([Note: NCCL vs gloo] in the overlap notes): on gloo a collective runs on its group's worker threads and
+``wait()`` is the host's only wait, at completion; on NCCL it runs on the group's stream, which waits for the issuing
+stream (DeepSpeed's reduce stream), and ``wait()`` at completion makes the then current stream (the reduce stream
+again) wait for it, with no host wait, so the next buckets' stage 1 is not queued behind a stage 2. Buffers handed to
+an in-flight collective are held by its :class:`Inflight` and never written before it completed. Strict mode models
+each collective on its group's stream: reading its output before ``wait()`` is an ordering error
+(``FCDP_BREAK_GRADS=read_early``: ``tests/test_device_discipline.py``; on gloo with a late peer, different values:
+``tests/test_grad_overlap.py``).
 """
 from __future__ import annotations
 

@@ -6,17 +6,17 @@ How the stages are laid out: [Note: the two-stage reduction] in ``layout.py``; w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from fcdp_deepspeed import timeline
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads.collectives import StageCollectives
 from fcdp_deepspeed.grads.buffer import BufferPlanner, NodeGradBuffer
 from fcdp_deepspeed.grads.delivery import DeliveryLedger
-from fcdp_deepspeed.grads.inflight import InterNodeQueue, Pending
-from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel, own_chunk_numel, pack_chunks
+from fcdp_deepspeed.grads.inflight import InterNodeQueue
+from fcdp_deepspeed.grads.layout import ReduceLayout, pack_chunks
+from fcdp_deepspeed.grads.staging import NodeStage, StagedDelivery
 from fcdp_deepspeed.plan import BufferFit
 from fcdp_deepspeed.stats import EventCounters
 from fcdp_deepspeed.topology import group_ranks
@@ -34,7 +34,7 @@ class GradCounters(EventCounters):
     """Of those, delivered at the end of the boundary backward (no gradient in that micro-step)."""
 
 
-class GradReducer:
+class GradReducer(StagedDelivery):
     """One engine's gradient plan: replaces DeepSpeed's reduce-scatter for its buckets.
 
     Built by ``FCDPStage3`` when ``grad_reduce``/``grad_accumulation`` leave DeepSpeed's path. All
@@ -58,7 +58,8 @@ class GradReducer:
         self.planner = BufferPlanner(config, layout, dp_group, accumulation_dtype, self.buffer)
         self.counters = GradCounters()
         self.delivery = DeliveryLedger()
-        #: Stage 2 in flight ([Note: the inter-node stage runs behind the backward] in ``inflight.py``).
+        #: Stages in flight ([Note: the inter-node stage runs behind the backward] in ``inflight.py``).
+        self.node_stages = InterNodeQueue(1)
         self.queue = InterNodeQueue(config.grad_inflight_buckets)
 
     # -- the node buffer (buffer.py) -----------------------------------------------------------
@@ -89,7 +90,9 @@ class GradReducer:
         """In place of ``reduce_scatter_coalesced(tensors, dp_group)`` for one bucket of ``params``.
 
         Returns this rank's partition per tensor (DeepSpeed's lengths), in the accumulation dtype; an
-        empty tensor for gradients that went into the node buffer instead (see :meth:`split_delivered`).
+        empty tensor for gradients that went into the node buffer instead (see :meth:`split_delivered`), and for
+        every one while stages are left in flight (:meth:`advance` and :meth:`complete` take them on: [Note: the
+        inter-node stage runs behind the backward] in ``inflight.py``).
         """
         layout, world = self.layout, self.layout.dp_size
         assert len(params) == len(tensors) and all(p.ds_numel == t.numel() for p, t in zip(params, tensors)), \
@@ -97,84 +100,14 @@ class GradReducer:
         comm_dtype = tensors[0].dtype
         stage1 = pack_chunks(tensors, layout.order, world)
         stage1.div_(world)  # DeepSpeed pre-divides by the DP size in the same dtype
-        node_sum = self.comm.node_stage(stage1)
         accumulate = self.node_accumulation and not self.is_boundary()
-        results: list[Optional[torch.Tensor]] = [None] * len(params)
-        deliver: list[tuple[int, torch.Tensor]] = []
-        buffered: list[tuple[int, torch.Tensor]] = []
-        window = False  # some delivered sum holds earlier micro-steps of the window
-        offset = 0
-        for i, (param, tensor) in enumerate(zip(params, tensors)):
-            p = chunk_numel(tensor.numel(), world)
-            cols = node_sum[:, offset:offset + p]
-            offset += p
-            slot = self.buffer.slot(param.ds_id) if self.node_accumulation else None
-            if slot is not None and accumulate:
-                buffered.append((param.ds_id, cols))
-                results[i] = cols.new_empty(0)
-                continue
-            if slot is not None and param.ds_id in self.buffer.dirty:
-                cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
-                window = True
-            deliver.append((i, cols))
-        if buffered:
-            self.buffer.accumulate(buffered)
-        direct: list = []
-        if deliver:
-            entry = self._issue([params[i] for i, _ in deliver], [c for _, c in deliver], comm_dtype, window)
-            if self.deferring:
-                self.queue.add(entry)
-                for i, _ in deliver:
-                    results[i] = tensors[i].new_empty(0, dtype=self.accumulation_dtype)
-            else:  # grad_inflight_buckets 0: completed at once, the partitions go back to DeepSpeed
-                direct = entry.params
-                for (i, _), part in zip(deliver, self.complete(entry)):
-                    results[i] = part
-        self.delivery.delivered(p.ds_id for p in direct)
-        self.counters.bump(accumulated=len(params) - len(deliver))
-        return results  # type: ignore[return-value]
-
-    def _issue(self, params: Sequence[torch.nn.Parameter], sums: list[torch.Tensor], comm_dtype: torch.dtype,
-               window_sums: bool) -> Pending:
-        """Stage 2 of ``params`` issued (their ``(N, P_i)`` node sums ``sums``): [Note: the inter-node stage runs
-        behind the backward] in ``inflight.py``."""
-        inflight = self.comm.issue_across_nodes(sums, comm_dtype, [p.ds_id for p in params], window_sums=window_sums)
-        world, rank = self.layout.dp_size, self.layout.dp_rank
-        return Pending(list(params), inflight, [own_chunk_numel(p.ds_numel, world, rank) for p in params])
-
-    @property
-    def deferring(self) -> bool:
-        """Whether stage 2 is left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
-        return self.queue.depth > 0
-
-    def complete(self, entry: Pending) -> list[torch.Tensor]:
-        """Wait for ``entry``'s stage 2 (the host on gloo, the current stream on NCCL); its partitions, in DeepSpeed's
-        lengths, recorded in the ledger as the next delivery."""
-        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            owns = entry.inflight.complete()
-        self.delivery.delivered(p.ds_id for p in entry.params)
-        self.counters.bump(delivered=len(entry.params))
-        return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]
-
-    def flush(self, comm_dtype: torch.dtype, bucket_numel: int) -> Iterator[Pending]:
-        """Stage 2 for every parameter whose window sum is still in the buffer (no gradient in the
-        boundary micro-step), issued in batches of about ``bucket_numel`` elements in ds_id order; yields each
-        batch's :class:`Pending` (the caller queues or completes it before the next is issued)."""
-        pending = sorted(self.buffer.dirty)
-        by_id = self.planner.params_by_id
-        batch: list[int] = []
-        numel = 0
-        for k, ds_id in enumerate(pending):
-            batch.append(ds_id)
-            numel += self.buffer.offsets[ds_id][1]
-            if numel < bucket_numel and k + 1 < len(pending):
-                continue
-            # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
-            sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
-                    for i in batch]
-            self.counters.bump(flushed=len(batch))
-            yield self._issue([by_id[i] for i in batch], sums, comm_dtype, window_sums=True)
-            batch, numel = [], 0
+        numels = [t.numel() for t in tensors]
+        if not self.deferring:  # grad_inflight_buckets 0: both stages complete here
+            return self.after_node_stage(params, numels, self.comm.node_stage(stage1), comm_dtype, accumulate)
+        issued = self.comm.issue_node_stage(stage1)
+        self.node_stages.add(NodeStage(list(params), numels, issued, accumulate, comm_dtype))
+        self.delivery.delivered(())
+        return [t.new_empty(0, dtype=self.accumulation_dtype) for t in tensors]
 
     # -- delivery into DeepSpeed's partitions ---------------------------------------------------
     def split_delivered(self, params: Sequence[torch.nn.Parameter]) -> tuple[list[int], list[int], list[int]]:

@@ -78,7 +78,8 @@ class GradSteps:
 
     def step(self, closure=None):
         reducer = self.fcdp_grads
-        if reducer is not None and (reducer.buffer.dirty or len(reducer.queue)) and not grads_broken("no_drain"):
+        if reducer is not None and (reducer.buffer.dirty or len(reducer.queue) or len(reducer.node_stages)) and \
+                not grads_broken("no_drain"):
             # Unreachable when the engine drives the backward and the boundary; never step without the window's sums.
             self._deliver_inflight(keep=0)
             self._flush_node_buffer()
@@ -90,8 +91,9 @@ class GradSteps:
         with bucket(self.fcdp_grads, params_to_reduce):
             partitions = getattr(super(), AVG_SCATTER)(params_to_reduce, *args, **kwargs)
         reducer = self.fcdp_grads
-        if reducer is not None and len(reducer.queue) > reducer.queue.depth:
+        if reducer is not None and reducer.deferring:
             with self._timed(_BUCKET):  # on DeepSpeed's reduce stream (its caller's context)
+                reducer.advance(keep=1)  # the previous bucket's stage 1: into the buffer or its stage 2 issued
                 for entry in reducer.queue.take(reducer.queue.depth):
                     self._deliver(entry)
         return partitions
@@ -146,11 +148,12 @@ class GradSteps:
         self.partition_grads(entry.params, self.fcdp_grads.complete(entry))
 
     def _deliver_inflight(self, keep: int) -> None:
-        """Deliver the stages in flight, oldest first, until at most ``keep`` are left."""
+        """Complete every stage 1 in flight, then deliver the stages 2, oldest first, until at most ``keep`` are left."""
         reducer = self.fcdp_grads
-        if len(reducer.queue) <= keep:
+        if len(reducer.queue) <= keep and not len(reducer.node_stages):
             return
         with self._reduce_stream_block():
+            reducer.advance(keep=0)
             for entry in reducer.queue.take(keep):
                 self._deliver(entry)
 

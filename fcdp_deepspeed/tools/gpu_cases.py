@@ -60,9 +60,11 @@ def grad_flush_case(backend: str, numels: tuple[int, ...] = (4099, 37), micro_st
             step_params = params[:-1] if boundary[0] else params
             with gpu_trace.traced(device.type == "cuda") as holder:  # numbers only: what each micro-step blocks on
                 out = reducer.reduce(step_params, grads[m][:len(step_params)])
-                if boundary[0]:
-                    for batch_params, parts in reducer.flush(torch.float32, bucket_numel=10**7):
-                        delivered.update((p.ds_id, o) for p, o in zip(batch_params, parts))
+                reducer.advance(keep=0)  # the stages in flight (grads/inflight.py), as the backward's end takes them on
+                pending = list(reducer.queue.take(0)) + (list(reducer.flush(torch.float32, bucket_numel=10**7))
+                                                         if boundary[0] else [])
+                for entry in pending:
+                    delivered.update((p.ds_id, o) for p, o in zip(entry.params, reducer.complete(entry)))
             res.numbers.setdefault("trace", []).append(asdict(holder[0]))
             delivered.update((p.ds_id, o) for p, o in zip(step_params, out) if o.numel())
         acc.synchronize()

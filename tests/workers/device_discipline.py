@@ -18,6 +18,7 @@ import fcdp_deepspeed
 from fcdp_deepspeed import device, grads, strict_device, strict_streams
 from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.compress.reference import ReferenceStore
+from fcdp_deepspeed.grads import inflight
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import setup
@@ -180,6 +181,8 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
         patches.set(door, "record_stream", lambda t: None if _stream_named("fcdp_grad_buffer") else record_stream(t))
     elif kind == "two_stage_gather":  # stage 2 is not ordered after stage 1 (the peer group's all-gather)
         patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
+    elif kind in ("inter_node_wait", "codec_inter_node_wait"):  # completion reads before waiting for the collective
+        patches.set(inflight, "grads_broken", lambda what: what == "read_early")
     elif kind == "deferred_release":  # emptied pinned chunks dropped without asking the move's event
         patches.set(door, "event_done", lambda ev: True)
     else:

@@ -1,0 +1,132 @@
+"""The bucket path's stages after they are issued: a bucket's stage 1 completed into the node buffer or into its
+stage 2, stage 2 issued and completed, the window flush; in FIFO order ([Note: the inter-node stage runs behind the
+backward] in ``inflight.py``). :class:`StagedDelivery` is the part of :class:`~fcdp_deepspeed.grads.GradReducer` that
+runs them (its base class: one concern, one class under the size cap).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from fcdp_deepspeed import timeline
+from fcdp_deepspeed.grads.inflight import Inflight, InterNodeQueue, Pending
+from fcdp_deepspeed.grads.layout import chunk_numel, own_chunk_numel
+
+
+@dataclass(eq=False)
+class NodeStage:
+    """A bucket whose stage 1 (inside the node) was issued: what its completion needs."""
+
+    params: list
+    numels: list
+    inflight: Inflight
+    #: Whether the bucket's micro-step was not the accumulation boundary (node accumulation: into the buffer).
+    accumulate: bool
+    comm_dtype: torch.dtype
+
+
+class StagedDelivery:
+    """Stage 1 completed, stage 2 issued and completed, in issue order (the base of ``GradReducer``, which sets the
+    attributes below)."""
+
+    comm: Any
+    layout: Any
+    buffer: Any
+    planner: Any
+    delivery: Any
+    counters: Any
+    accumulation_dtype: torch.dtype
+    node_accumulation: bool
+    #: Stage 1 in flight (the newest bucket's, completed at the next bucket or the backward's end).
+    node_stages: InterNodeQueue
+    #: Stage 2 in flight (``fcdp.grad_inflight_buckets``).
+    queue: InterNodeQueue
+
+    @property
+    def deferring(self) -> bool:
+        """Whether stages are left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
+        return self.queue.depth > 0
+
+    def advance(self, keep: int) -> None:
+        """Complete the issued stage 1 of every bucket but the newest ``keep``, oldest first: each goes into the
+        node buffer or has its stage 2 issued (queued: :meth:`complete` delivers it)."""
+        for entry in self.node_stages.take(keep):
+            with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
+                node_sum = entry.inflight.complete()[0].view(self.layout.nodes, -1)
+            self.after_node_stage(entry.params, entry.numels, node_sum, entry.comm_dtype, entry.accumulate)
+
+    def after_node_stage(self, params: Sequence[torch.nn.Parameter], numels: Sequence[int], node_sum: torch.Tensor,
+                         comm_dtype: torch.dtype, accumulate: bool) -> list[Optional[torch.Tensor]]:
+        """A bucket's node sums ``(N, sum of P_i)``: into the node buffer (``accumulate``, buffered parameters), or
+        stage 2. Returns the partitions when stage 2 completed at once (not :attr:`deferring`), else empty tensors
+        (DeepSpeed skips them: the buffer or the queue delivers them)."""
+        world, layout = self.layout.dp_size, self.layout
+        results: list[Optional[torch.Tensor]] = [node_sum.new_empty(0, dtype=self.accumulation_dtype)] * len(params)
+        deliver: list[tuple[int, torch.Tensor]] = []
+        buffered: list[tuple[int, torch.Tensor]] = []
+        window = False  # some delivered sum holds earlier micro-steps of the window
+        offset = 0
+        for i, (param, numel) in enumerate(zip(params, numels)):
+            p = chunk_numel(numel, world)
+            cols = node_sum[:, offset:offset + p]
+            offset += p
+            slot = self.buffer.slot(param.ds_id) if self.node_accumulation else None
+            if slot is not None and accumulate:
+                buffered.append((param.ds_id, cols))
+                continue
+            if slot is not None and param.ds_id in self.buffer.dirty:
+                cols = self.buffer.take(param.ds_id, (layout.nodes, p)) + cols
+                window = True
+            deliver.append((i, cols))
+        if buffered:
+            self.buffer.accumulate(buffered)
+        self.counters.bump(accumulated=len(params) - len(deliver))
+        direct: list = []
+        if deliver:
+            entry = self.issue([params[i] for i, _ in deliver], [c for _, c in deliver], comm_dtype, window)
+            if self.deferring:
+                self.queue.add(entry)
+            else:  # grad_inflight_buckets 0: completed at once, the partitions go back to DeepSpeed
+                direct = entry.params
+                for (i, _), part in zip(deliver, self.complete(entry)):
+                    results[i] = part
+        self.delivery.delivered(p.ds_id for p in direct)
+        return results
+
+    def issue(self, params: Sequence[torch.nn.Parameter], sums: list[torch.Tensor], comm_dtype: torch.dtype,
+              window_sums: bool) -> Pending:
+        """Stage 2 of ``params`` issued (their ``(N, P_i)`` node sums ``sums``)."""
+        inflight = self.comm.issue_across_nodes(sums, comm_dtype, [p.ds_id for p in params], window_sums=window_sums)
+        world, rank = self.layout.dp_size, self.layout.dp_rank
+        return Pending(list(params), inflight, [own_chunk_numel(p.ds_numel, world, rank) for p in params])
+
+    def complete(self, entry: Pending) -> list[torch.Tensor]:
+        """Wait for ``entry``'s stage 2 (the host on gloo, the current stream on NCCL); its partitions, in DeepSpeed's
+        lengths, recorded in the ledger as the next delivery."""
+        with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
+            owns = entry.inflight.complete()
+        self.delivery.delivered(p.ds_id for p in entry.params)
+        self.counters.bump(delivered=len(entry.params))
+        return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]
+
+    def flush(self, comm_dtype: torch.dtype, bucket_numel: int) -> Iterator[Pending]:
+        """Stage 2 for every parameter whose window sum is still in the buffer (no gradient in the
+        boundary micro-step), issued in batches of about ``bucket_numel`` elements in ds_id order; yields each
+        batch's :class:`Pending` (the caller queues or completes it before the next is issued)."""
+        pending = sorted(self.buffer.dirty)
+        by_id = self.planner.params_by_id
+        batch: list[int] = []
+        numel = 0
+        for k, ds_id in enumerate(pending):
+            batch.append(ds_id)
+            numel += self.buffer.offsets[ds_id][1]
+            if numel < bucket_numel and k + 1 < len(pending):
+                continue
+            # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
+            sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))
+                    for i in batch]
+            self.counters.bump(flushed=len(batch))
+            yield self.issue([by_id[i] for i in batch], sums, comm_dtype, window_sums=True)
+            batch, numel = [], 0
