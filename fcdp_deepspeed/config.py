@@ -195,7 +195,7 @@ class FCDPConfig(DiLoCoField):
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
 
-    grad_bucket_size: Union[Literal["auto"], Annotated[int, Field(ge=0, strict=True)]] = "auto"
+    grad_bucket_size: Any = "auto"
     """With the hierarchical reduce: a cap on DeepSpeed's ``reduce_bucket_size`` (elements), so the inter-node stage
     of early buckets crosses while the backward computes later ones. ``auto``: an eighth of the trainable elements, at
     least 2**18, at most DeepSpeed's value; ``0``: DeepSpeed's value (``grads/steps.py``, [Note: bucket-sized work])."""
@@ -258,6 +258,14 @@ class FCDPConfig(DiLoCoField):
     @classmethod
     def _check_verify(cls, value: Any) -> Any:
         return parse_verify(value)
+
+    @field_validator("grad_bucket_size", mode="before")
+    @classmethod
+    def _check_grad_bucket_size(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise FCDPConfigError(f"fcdp.grad_bucket_size = {value!r}: expected \"auto\" or a whole number of elements >= 0 "
+                              f"(0: DeepSpeed's reduce_bucket_size). Fix: set it to one of them, or leave it out (auto).")
 
     @property
     def host_budget_spec(self) -> Budget:

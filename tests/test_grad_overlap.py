@@ -73,3 +73,21 @@ def test_issue_does_not_wait_for_a_late_peer():
     r0 = next(r for r in per_rank if r["rank"] == 0)
     assert len(r0["issue_s"]) >= 8 and max(r0["issue_s"]) < 0.1, r0["issue_s"]
     assert r0["inter_node_s"] >= 0.2  # it waited for the late peer at completion instead
+
+
+@pytest.mark.parametrize("key, value", [("grad_bucket_size", -1), ("grad_bucket_size", "big"), ("grad_bucket_size", 1.5),
+                                        ("grad_bucket_size", True), ("grad_inflight_buckets", -1),
+                                        ("grad_inflight_buckets", True)])
+def test_bad_values_name_the_key(key, value):
+    from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
+    with pytest.raises(FCDPConfigError, match=f"fcdp.{key} = "):
+        parse_fcdp_config({"fcdp": {"enabled": True, key: value}})
+
+
+def test_auto_bucket_cap():
+    """[Note: bucket-sized work]: about eight buckets, never under 2**18 elements nor above DeepSpeed's value."""
+    from fcdp_deepspeed.grads.steps import bucket_cap
+    assert bucket_cap("auto", 2_630_000, 500_000_000) == 328_750  # the bench model: 8 buckets
+    assert bucket_cap("auto", 7 * 10**9, 500_000_000) == 500_000_000  # a 7B model keeps DeepSpeed's
+    assert bucket_cap("auto", 4_000, 500_000_000) == 2**18  # the test toys: one bucket
+    assert bucket_cap(0, 10**9, 5) == 5 and bucket_cap(100, 10**9, 500) == 100 and bucket_cap(100, 10, 50) == 50
