@@ -48,7 +48,7 @@ def test_overlapped_stage_is_bit_identical_to_the_synchronous_one(results, name,
         assert _same(overlap, sync)
         assert overlap["bucket"] == 256 and sync["bucket"] == r[name]["plain"]["bucket"]
         # stages were in flight behind later buckets (two allowed, the third completes the oldest)
-        assert overlap["stats"]["grad_inflight_max"] >= 2 and sync["stats"]["grad_inflight_max"] == 0
+        assert overlap["stats"]["grad_inflight_max"] >= 2 and sync["stats"]["grad_inflight_max"] <= 1  # sync: the flush
 
 
 def test_compressed_stage_overlaps_and_stays_close(results):
