@@ -51,6 +51,14 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _BUDGET_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[kmgt]i?b|b)?\s*$", re.IGNORECASE)
 
 
+def _grad_bucket_size(value: Any) -> Any:
+    """``fcdp.grad_bucket_size``: ``"auto"`` or a whole number of elements >= 0."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise FCDPConfigError(f"fcdp.grad_bucket_size = {value!r}: expected \"auto\" or a whole number of elements >= 0 "
+                          f"(0: DeepSpeed's reduce_bucket_size). Fix: set it to one of them, or leave it out (auto).")
+
+
 def _to_float(key: str, number: Any) -> float:
     """``number`` as a finite float; a budget too large for one (a 400-digit count) is refused."""
     # [Note: float() of a huge int raises OverflowError and of a huge digit string gives inf; both
@@ -132,7 +140,18 @@ def _size_string_to_bytes(value: Any, info: Any) -> Any:
     return value
 
 
-class FCDPConfig(DiLoCoField):
+class GradStageFields(DiLoCoField):
+    """The base of ``FCDPConfig`` that holds the keys of the gradient stages' overlap with the backward (issue 31)."""
+
+    grad_bucket_size: Annotated[Any, BeforeValidator(_grad_bucket_size)] = "auto"
+    """Cap (elements) on DeepSpeed's ``reduce_bucket_size`` with the hierarchical reduce; ``auto``: ~8 buckets, ``0``:
+    DeepSpeed's ([Note: bucket-sized work] in ``grads/steps.py``)."""
+    grad_inflight_buckets: int = Field(4, ge=0, strict=True)
+    """Gradient stages left in flight behind the backward; ``0``: synchronous ([Note: the inter-node stage runs
+    behind the backward] in ``grads/inflight.py``)."""
+
+
+class FCDPConfig(GradStageFields):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
     enabled: bool = False
@@ -195,15 +214,6 @@ class FCDPConfig(DiLoCoField):
     available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
     the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
 
-    grad_bucket_size: Any = "auto"
-    """With the hierarchical reduce: a cap on DeepSpeed's ``reduce_bucket_size`` (elements), so the inter-node stage
-    of early buckets crosses while the backward computes later ones. ``auto``: an eighth of the trainable elements, at
-    least 2**18, at most DeepSpeed's value; ``0``: DeepSpeed's value (``grads/steps.py``, [Note: bucket-sized work])."""
-    grad_inflight_buckets: int = Field(4, ge=0, strict=True)
-    """With the hierarchical reduce: inter-node gradient stages left in flight while the backward goes on; the oldest
-    is completed at the next bucket beyond this many, all at the backward's end. ``0``: each completes where it is
-    issued (the synchronous path). ``grads/inflight.py``, [Note: the inter-node stage runs behind the backward]."""
-
     param_gather: Literal["flat", "hierarchical", "auto"] = "auto"
     """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring
     all-gather over the whole data-parallel group ((W-1)/W of the parameter over each node uplink).
@@ -258,14 +268,6 @@ class FCDPConfig(DiLoCoField):
     @classmethod
     def _check_verify(cls, value: Any) -> Any:
         return parse_verify(value)
-
-    @field_validator("grad_bucket_size", mode="before")
-    @classmethod
-    def _check_grad_bucket_size(cls, value: Any) -> Any:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            return value
-        raise FCDPConfigError(f"fcdp.grad_bucket_size = {value!r}: expected \"auto\" or a whole number of elements >= 0 "
-                              f"(0: DeepSpeed's reduce_bucket_size). Fix: set it to one of them, or leave it out (auto).")
 
     @property
     def host_budget_spec(self) -> Budget:

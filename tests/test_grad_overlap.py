@@ -53,12 +53,13 @@ def test_overlapped_stage_is_bit_identical_to_the_synchronous_one(results, name,
 
 def test_compressed_stage_overlaps_and_stays_close(results):
     """int8 encodes at issue and decodes at completion; its blocks follow the buckets, so values differ within the
-    codec's error, and every rank's losses are the same (replicas equal)."""
-    sync, overlap = results[0]["ga4_gated"]["int8_sync"], results[0]["ga4_gated"]["int8_overlap"]
-    assert overlap["stats"]["grad_inflight_max"] == 3 and overlap["stats"]["grad_compressed_exchanges"] > \
-        sync["stats"]["grad_compressed_exchanges"]
-    assert torch.allclose(torch.tensor(overlap["losses"]), torch.tensor(sync["losses"]), rtol=2e-2)
-    assert all(r["ga4_gated"]["int8_overlap"]["losses"] == overlap["losses"] for r in results)
+    codec's error (replicas stay equal: tests/test_compress_grads.py)."""
+    for r in results:
+        sync, overlap = r["ga4_gated"]["int8_sync"], r["ga4_gated"]["int8_overlap"]
+        assert overlap["stats"]["grad_inflight_max"] >= 2 and overlap["stats"]["grad_compressed_exchanges"] > \
+            sync["stats"]["grad_compressed_exchanges"]
+        assert torch.allclose(torch.tensor(overlap["losses"]), torch.tensor(sync["losses"]), rtol=2e-2), \
+            (overlap["losses"], sync["losses"])
 
 
 @pytest.mark.parametrize("broken", ["read_early", "no_drain"])

@@ -20,6 +20,7 @@ from fcdp_deepspeed.compress import IdentityCodec
 from fcdp_deepspeed.compress import grads as compress_grads
 from fcdp_deepspeed.compress.residual import ResidualStore
 from fcdp_deepspeed.grads import own_chunk_numel
+from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.tools import toy
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
@@ -54,6 +55,11 @@ CODECS = {"identity": IdentityCodec, "wrong_scale": WrongScale, "rows_reversed":
           "blocks_rolled": BlocksRolled}
 
 
+def _divided(issued: Inflight, factor: int) -> Inflight:
+    """An issued exchange whose partitions come out divided by ``factor`` (decoded at completion)."""
+    return Inflight(issued.works, lambda: [t / factor for t in issued.finish()], issued.buffers)
+
+
 @contextlib.contextmanager
 def sabotaged(kind: str) -> Iterator[None]:
     """Deliberately broken variants of the compressed stage (undone afterwards)."""
@@ -62,7 +68,7 @@ def sabotaged(kind: str) -> Iterator[None]:
     if kind == "divide_by_nodes":  # the decoded sum divided by the node count (qgZ's wrong factor)
         name, original = "exchange", cls.exchange
         saved = {name: original}
-        cls.exchange = lambda self, sums, ids: [t / self.layout.nodes for t in original(self, sums, ids)]
+        cls.exchange = lambda self, sums, ids: _divided(original(self, sums, ids), self.layout.nodes)
     elif kind == "no_feedback":  # no error feedback: the residual is never added
         saved = {"read": ResidualStore.read}
         ResidualStore.read = lambda self, ds_id, shape, loss_scale: None

@@ -407,17 +407,17 @@ def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ran
     from fcdp_deepspeed.grads.collectives import StageCollectives
     os.environ["FCDP_FORCE_REDUCE_SCATTER"] = "1"
     branches = {"reduce_scatter_tensor": 0, "all_to_all": 0}
-    original = StageCollectives._scatter_sum
+    original = StageCollectives._issue_scatter_sum
 
-    def counted(self, inp, group, parts):
+    def counted(self, inp, group, parts, async_op=True):
         branches["all_to_all" if self.use_alltoall else "reduce_scatter_tensor"] += 1
-        return original(self, inp, group, parts)
+        return original(self, inp, group, parts, async_op)
 
-    StageCollectives._scatter_sum = counted
+    StageCollectives._issue_scatter_sum = counted
     try:
         fp32 = _errors_by_mode(scenarios, ranks_per_node, "", reference_errors)
         bf16 = _errors_by_mode(bf16_scenarios, ranks_per_node, "", bf16_errors)
     finally:
-        StageCollectives._scatter_sum = original
+        StageCollectives._issue_scatter_sum = original
         os.environ.pop("FCDP_FORCE_REDUCE_SCATTER", None)
     return {"fp32": fp32, "bf16": bf16, "branches": branches}
