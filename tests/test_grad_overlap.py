@@ -92,3 +92,26 @@ def test_auto_bucket_cap():
     assert bucket_cap("auto", 7 * 10**9, 500_000_000) == 500_000_000  # a 7B model keeps DeepSpeed's
     assert bucket_cap("auto", 4_000, 500_000_000) == 2**18  # the test toys: one bucket
     assert bucket_cap(0, 10**9, 5) == 5 and bucket_cap(100, 10**9, 500) == 100 and bucket_cap(100, 10, 50) == 50
+
+
+# -- the committed run (docs/bench_grad_overlap_ga{1,4}_results.json): before = fcdp_node_syncgrad, after = fcdp_node --
+BENCH_RUNS = ("bench_grad_overlap_ga1_results.json", "bench_grad_overlap_ga4_results.json")
+
+
+def _bench_rows(name: str) -> dict:
+    import json
+    from pathlib import Path
+    rows = json.loads((Path(__file__).resolve().parent.parent / "docs" / name).read_text())["rows"]
+    return {(r["rate_mbit"], r["engine"]): r for r in rows if not r.get("computed")}
+
+
+@pytest.mark.parametrize("name", BENCH_RUNS)
+def test_committed_run_same_values_and_bytes_less_inter_node_waiting(name):
+    rows = _bench_rows(name)
+    for rate in (100.0, 0.0):
+        after, before = rows[(rate, "fcdp_node")], rows[(rate, "fcdp_node_syncgrad")]
+        assert after["losses"] == before["losses"]  # bit for bit, every micro-step of the run
+        assert after["counted_inter_node_bytes_per_step"] == before["counted_inter_node_bytes_per_step"]
+    after, before = rows[(100.0, "fcdp_node")], rows[(100.0, "fcdp_node_syncgrad")]
+    assert after["timeline_s"]["grad_inter_node"] < 0.6 * before["timeline_s"]["grad_inter_node"]
+    assert after["step_vs_floor"] < before["step_vs_floor"]
