@@ -142,3 +142,76 @@ class ReferenceBlockCodec(Codec):
         if self.rotate:
             values = hadamard_(values)
         return values.reshape(-1).narrow(0, 0, numel)
+
+
+def reference_read(store, ds_id: int, shape: tuple[int, int], loss_scale: float):
+    """``ResidualStore.read`` before the batched reads (a device store)."""
+    first = ds_id not in store.pending
+    recorded = store.scales.get(ds_id) if first else store.pending[ds_id]
+    index = store.committed.get(ds_id, 0) ^ (0 if first else 1)
+    if recorded is None:
+        return None
+    residual = store._slot(ds_id, index).view(shape)
+    return residual * (loss_scale / recorded) if loss_scale != recorded else residual
+
+
+def reference_exchange(codec, store, clips: dict, me: int, nodes: int, node_sums, ds_ids, scale: float, recv):
+    """``GradCompressor._exchange`` before it was vectorised, with ``recv`` standing for what the all-to-all
+    delivers: ``(packed, sent residual rows, total)``; writes the new residuals into ``store`` as it did."""
+    sizes = [t.shape[1] for t in node_sums]
+    x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
+    offset = 0
+    for ds_id, p in zip(ds_ids, sizes):
+        first = ds_id not in store.pending
+        residual = reference_read(store, ds_id, (nodes - 1, p), scale)
+        if residual is not None:
+            if first and ds_id in clips:
+                residual = residual * clips[ds_id]
+            x[:me, offset:offset + p].add_(residual[:me])
+            x[me + 1:, offset:offset + p].add_(residual[me:])
+        offset += p
+    packed = codec.encode_rows(x)
+    left = x - codec.decode_rows(packed, x.shape[1])
+    sent = torch.cat([left[:me], left[me + 1:]])
+    offset = 0
+    for ds_id, p in zip(ds_ids, sizes):
+        index = store.committed.get(ds_id, 0) ^ 1
+        store.pending[ds_id] = scale
+        store._slot(ds_id, index).view(sent[:, offset:offset + p].shape).copy_(sent[:, offset:offset + p])
+        offset += p
+    rows = codec.decode_rows(recv, left.shape[1])
+    rows[me] = x[me]
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total.add_(row)
+    return packed, sent, total
+
+
+def reference_stage1(codec, refs: list, sizes: list, valid: list, rows: torch.Tensor, me: int, peers: list):
+    """``ParamCompression._stage1`` before it was vectorised, for ``refs`` (each ``(N, p)`` on the accelerator) and a
+    bundle ``rows`` (``(N, part)``, this rank's row holding its exact partitions; written in place), with ``peers``
+    standing for what the all-gather delivers (``peers[me]`` is replaced by this rank's message). Returns this rank's
+    message, the per-parameter drift ``(errors, norms)`` and the new references ``rows[:, off:off + size]``."""
+    nodes = rows.shape[0]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    pads = [-(-n // codec.block) * codec.block for n in sizes]
+    pad_offsets = [sum(pads[:i]) for i in range(len(pads))]
+    total = sum(pads)
+    delta = torch.zeros(total, dtype=torch.float32)
+    for ref_rows, off, poff, n in zip(refs, offsets, pad_offsets, valid):
+        seg = delta.narrow(0, poff, n)
+        seg.copy_(rows[me].narrow(0, off, n))
+        seg.sub_(ref_rows[me].narrow(0, 0, n))
+    own = codec.encode(delta)
+    messages = [own if q == me else peers[q] for q in range(nodes)]
+    errors, norms = [], []
+    for peer in range(nodes):
+        decoded = codec.decode(messages[peer].clone(), total)
+        for ref_rows, off, poff, size, n in zip(refs, offsets, pad_offsets, sizes, valid):
+            recon = torch.add(ref_rows[peer], decoded.narrow(0, poff, size)).to(rows.dtype)
+            if peer == me:
+                exact = rows[me].narrow(0, off, n).float()
+                errors.append(torch.linalg.vector_norm(recon.narrow(0, 0, n).float() - exact))
+                norms.append(torch.linalg.vector_norm(exact))
+            rows[peer].narrow(0, off, size).copy_(recon)
+    return own, (torch.stack(errors), torch.stack(norms)), [rows[:, o:o + s].clone() for o, s in zip(offsets, sizes)]

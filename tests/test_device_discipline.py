@@ -60,7 +60,7 @@ ORDERINGS = {
                        r".* is not ordered after its write on stream 'fcdp_grad_residual' at compress/residual.py:\d+ "
                        r"_host_to_accel"),
     # the residual stream waits for the new residual (reduce stream) before copying it to the host
-    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write .* is not "
+    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write_many .* is not "
                        r"ordered after its write on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
     "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "

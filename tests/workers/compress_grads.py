@@ -64,8 +64,8 @@ def sabotaged(kind: str) -> Iterator[None]:
         saved = {name: original}
         cls.exchange = lambda self, sums, ids: [t / self.layout.nodes for t in original(self, sums, ids)]
     elif kind == "no_feedback":  # no error feedback: the residual is never added
-        saved = {"read": ResidualStore.read}
-        ResidualStore.read = lambda self, ds_id, shape, loss_scale: None
+        saved = {"read_many": ResidualStore.read_many}
+        ResidualStore.read_many = lambda self, ds_ids, shapes, loss_scale: [None] * len(ds_ids)
     elif kind == "commit_on_skip":  # an overflow-skipped step commits its residual anyway
         name, original = "discard", cls.discard
         saved = {name: original}
@@ -84,7 +84,7 @@ def sabotaged(kind: str) -> Iterator[None]:
         yield
     finally:
         for attr, fn in saved.items():
-            setattr(ResidualStore if attr == "read" else cls, attr, fn)
+            setattr(ResidualStore if attr == "read_many" else cls, attr, fn)
         if kind == "discard_at_checkpoint":
             FCDPStage3.checkpoint_event_epilogue = original_epilogue
 
