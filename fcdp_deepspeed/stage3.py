@@ -252,6 +252,9 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, CountedStage3):
             accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
         announce.announce(self.fcdp, self.fcdp_grad_plan)
         self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
+        if self.fcdp_grads is not None and fcdp_config.grad_buffer_device == "device":  # placed at the measured step
+            self.fcdp.promotion.claims.append(self.fcdp_grads.promote_buffer)
+            self.fcdp.promotion.reapers.append(self.fcdp_grads.reap)
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the flushes below are FCDP's.
     def independent_gradient_partition_epilogue(self) -> None:

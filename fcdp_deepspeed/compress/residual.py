@@ -87,6 +87,7 @@ class ResidualStore:
     scales: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of its committed residual
     pending: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of this window's residual
     written: Any = None  # event after the last write of a host slot (checkpoint readers wait on it)
+    retired: list = field(default_factory=list)  # host allocations emptied by the move, with the copy's event
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def covers(self, ds_id: int) -> bool:
@@ -203,6 +204,38 @@ class ResidualStore:
             offset += numel
         self.writes_done()
 
+    def move(self, budget: int) -> int:
+        """``grad_buffer_device: device``, at the measured step ([Note: the device buffer comes from a measured step]
+        in ``grads/buffer.py``): both slots to the accelerator when they fit ``budget`` (one allocation, as planned),
+        committed values copied on the current stream after the last write's event; the host allocation is dropped
+        once that copy completed (:meth:`reap`). Returns the bytes moved."""
+        host = self.flats[0]
+        if self.device != "host" or host is None or host._base is None or self.nbytes > budget:
+            return 0
+        base = host._base
+        try:
+            faults.maybe_fail("alloc_residual_device")
+            moved = device.accel_empty(base.numel(), torch.float32)
+        except (RuntimeError, MemoryError, faults.InjectedFault):
+            return 0
+        device.wait_event(self.written)  # the residual stream's last copies into the host slots
+        device.to_accel(base, out=moved)
+        total = host.numel()
+        with self._lock:
+            self.flats, self.device, self.written = (moved.narrow(0, 0, total), moved.narrow(0, total, total)), "device", None
+            self.retired.append((base, device.record_event()))
+        self.reap()
+        return moved.numel() * moved.element_size()
+
+    def reap(self) -> None:
+        """Drop the host allocation the move emptied once its copy completed (non-blocking)."""
+        done = [(t, ev) for t, ev in self.retired if device.event_done(ev)]
+        if done:
+            self.retired = [(t, ev) for t, ev in self.retired if all(t is not d for d, _ in done)]
+            for t, _ in done:
+                device.drop_host(t)
+            del t, done
+
     @property
     def nbytes(self) -> int:
         return sum(0 if f is None else f.numel() * f.element_size() for f in self.flats)
@@ -216,7 +249,7 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
     gradients cross nodes exact, one warning)."""
     params = sorted(params, key=lambda p: p.ds_id)
     numels = [(layout.nodes - 1) * chunk_numel(p.ds_numel, layout.dp_size) for p in params]  # the sent rows
-    on_device = planner.config.grad_buffer_device == "device"
+    on_device = planner.on_device()  # grad_buffer_device: device starts on the host, as the node buffer does
     # one allocation: a pinned one costs its power-of-two rounding (the node buffer's chunks do not, grads/buffer.py)
     budget = memory.pinned_capacity(max(0, planner.budget_bytes(on_device) - reserved_bytes),
                                     pin and not on_device and device.pins_host_memory())
