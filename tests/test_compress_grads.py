@@ -26,7 +26,7 @@ HIER = {"grad_reduce": "hierarchical", "grad_accumulation": "rank"}
 INT8, INT4 = {"grad_compression": "int8"}, {"grad_compression": "int4"}
 GATED = dict(grad_accum=2, gate={1}, steps=3, record_grads=True)  # last block idle in the boundary micro-step: flush
 BROKEN = {"wrong_scale": dict(codec="wrong_scale"), "divide_by_nodes": dict(codec="identity", **{"break": "divide_by_nodes"}),
-          "rows_reversed": dict(codec="rows_reversed"), "blocks_rolled": dict(codec="blocks_rolled")}
+          "rows_reversed": dict(codec="identity", **{"break": "rows_reversed"}), "blocks_rolled": dict(codec="blocks_rolled")}
 EF_STEPS = 12
 #: Steps of the invariant scenarios, and the checkpoint event after the first micro-step of some windows.
 INV_STEPS, MID_WINDOW = 3, {1: "save", 2: "save16"}

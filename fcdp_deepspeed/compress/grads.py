@@ -115,79 +115,23 @@ class GradCompressor:
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
         scale, me, exact_own = self.loss_scale(), self.me, not faults.compression_broken("own_row")
-        self._add_residuals(x, ds_ids, sizes, scale)
-        packed, sent = self._encode(x, exact_own)
+        add_residuals(x, me, self.store.read_many, self._clips(ds_ids), ds_ids, sizes, scale)
+        packed, sent = encode_sent(self.codec, x, me, exact_own)
         self._accumulate(sent, x.square().sum() - x[me].square().sum())
         self.store.write_many(ds_ids, sent.split(sizes, dim=1), scale)
         self.store.writes_done()
         recv = torch.empty_like(packed)
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
             dist.all_to_all_single(recv, packed, group=self.peer_group)
-        total = self._decode_sum(recv, x, exact_own)
+        total = decode_sum(self.codec, recv, x, me, exact_own)
         self.counters.bump(exchanges=1, compressed_bytes=received_bytes(
             "all_to_all_single", {"input": packed}, self.layout.nodes, 0))
         return list(total.to(self.accumulation_dtype).split(sizes))
 
-    # -- [Note: the vectorised exchange] ------------------------------------------------------------------------
-    # One residual read, one encode and one decode per side for a whole bucket (or flush batch), whatever its
-    # number of parameters. The own row is neither encoded nor decoded ([Note: the own row]: the bytes a rank sends
-    # itself never cross a link and their decode was replaced by ``x[me]``): its packed row is zeros. Every value
-    # that reaches a link, a residual or a gradient is bit for bit what the per-parameter form computed
-    # (tests/test_compress_grads.py: the identity guard, and ``test_the_vectorised_exchange_...`` in-process).
-    def _add_residuals(self, x: torch.Tensor, ds_ids: Sequence[int], sizes: Sequence[int], scale: float) -> None:
-        """``x``'s sent rows (every row but ``me``) plus each parameter's residual, the committed one times its step's
-        clip coefficient ([Note: residuals and clipping]): one add per row range. A parameter without a residual
-        adds ``-0.0``, which leaves every value and its sign as it was."""
-        me, sent = self.me, self.layout.nodes - 1
-        firsts = [ds_id not in self.store.pending for ds_id in ds_ids]
-        residuals = self.store.read_many(ds_ids, [(sent, p) for p in sizes], scale)
-        if all(r is None for r in residuals) or not sent:
-            return
-        neutral = x.new_full((1, 1), -0.0)
-        r = torch.cat([neutral.expand(sent, p) if res is None else res for res, p in zip(residuals, sizes)], dim=1)
-        clips = [self.clips.get(d) if first and res is not None else None
-                 for d, first, res in zip(ds_ids, firsts, residuals)]
-        if any(c is not None for c in clips):
-            one = x.new_ones(1)
-            r.mul_(torch.cat([(one if c is None else c.reshape(1)).expand(p) for c, p in zip(clips, sizes)]))
-        x[:me].add_(r[:me])
-        x[me + 1:].add_(r[me:])
-
-    def _others(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` without row ``me`` (a view when ``me`` is the first or last row)."""
-        me = self.me
-        return t[1:] if me == 0 else t[:me] if me == t.shape[0] - 1 else torch.cat([t[:me], t[me + 1:]])
-
-    def _encode(self, x: torch.Tensor, exact_own: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(packed, sent)``: the ``(N, wire)`` rows of the all-to-all and the residual of the ``N - 1`` sent rows,
-        ``x - decode(encode(x))`` (the sender decodes its own bytes; not in place: a codec's packed rows may alias its
-        input, ``IdentityCodec``)."""
-        codec, me, n = self.codec, self.me, x.shape[1]
-        if not exact_own:  # the broken variant: the own row quantized like the others
-            packed = codec.encode_rows(x)
-            return packed, self._others(x - codec.decode_rows(packed, n))
-        rows = self._others(x)
-        encoded = codec.encode_rows(rows)
-        packed = encoded.new_empty(x.shape[0], encoded.shape[1])
-        packed[me].zero_()
-        packed[:me].copy_(encoded[:me])
-        packed[me + 1:].copy_(encoded[me:])
-        return packed, rows - codec.decode_rows(encoded, n)
-
-    def _decode_sum(self, recv: torch.Tensor, x: torch.Tensor, exact_own: bool) -> torch.Tensor:
-        """The received rows decoded and summed in fp32 in group-rank order (as the exact gloo path sums), the own
-        row exact (``x[me]``: what this rank sent itself, residual-free)."""
-        me, n = self.me, x.shape[1]
-        if not exact_own:
-            decoded = self.codec.decode_rows(recv, n)
-            rows = list(decoded)
-        else:
-            decoded = self.codec.decode_rows(self._others(recv), n)
-            rows = [*decoded[:me], x[me], *decoded[me:]]
-        total = rows[0].clone()
-        for row in rows[1:]:  # fixed order
-            total.add_(row)
-        return total
+    def _clips(self, ds_ids: Sequence[int]) -> list[Optional[torch.Tensor]]:
+        """The clip coefficient each parameter's residual is read with: that of the step that committed it, for the
+        first read of a window (a pending residual is already in this window's units), ``None`` for 1."""
+        return [None if d in self.store.pending else self.clips.get(d) for d in ds_ids]
 
     def _accumulate(self, left: torch.Tensor, quantized_sq: torch.Tensor) -> None:
         sq = torch.stack([left.square().sum(), quantized_sq])
@@ -254,6 +198,68 @@ class GradCompressor:
 
     def stats(self) -> dict:
         return compressor_stats(self)
+
+
+# -- [Note: the vectorised exchange] ----------------------------------------------------------------------------
+# One residual read, one encode and one decode per side for a whole bucket (or flush batch), whatever its number of
+# parameters. The own row is neither encoded nor decoded ([Note: the own row]: the bytes a rank sends itself never
+# cross a link and their decode was replaced by ``x[me]``): its packed row is zeros. Every value that reaches a link,
+# a residual or a gradient is bit for bit what the per-parameter form computed (``tests/test_compress_grads.py``:
+# the identity guard, and the in-process comparison with ``tests/codec_reference.py``).
+def others(t: torch.Tensor, me: int) -> torch.Tensor:
+    """``t`` without row ``me`` (a view when ``me`` is the first or last row)."""
+    return t[1:] if me == 0 else t[:me] if me == t.shape[0] - 1 else torch.cat([t[:me], t[me + 1:]])
+
+
+def add_residuals(x: torch.Tensor, me: int, read: Callable, clips: Sequence[Optional[torch.Tensor]],
+                  ds_ids: Sequence[int], sizes: Sequence[int], scale: float) -> None:
+    """``x``'s sent rows (every row but ``me``) plus each parameter's residual (``read``: the store's
+    ``read_many``), times its clip coefficient where one is given ([Note: residuals and clipping]): one add per row
+    range. A parameter without a residual adds ``-0.0``, which leaves every value and its sign as it was."""
+    sent = x.shape[0] - 1
+    residuals = read(ds_ids, [(sent, p) for p in sizes], scale)
+    if not sent or all(r is None for r in residuals):
+        return
+    neutral = x.new_full((1, 1), -0.0)
+    r = torch.cat([neutral.expand(sent, p) if res is None else res for res, p in zip(residuals, sizes)], dim=1)
+    clips = [c if res is not None else None for c, res in zip(clips, residuals)]
+    if any(c is not None for c in clips):
+        one = x.new_ones(1)
+        r.mul_(torch.cat([(one if c is None else c.reshape(1)).expand(p) for c, p in zip(clips, sizes)]))
+    x[:me].add_(r[:me])
+    x[me + 1:].add_(r[me:])
+
+
+def encode_sent(codec: Codec, x: torch.Tensor, me: int, exact_own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, sent)``: the ``(N, wire)`` rows of the all-to-all and the residual of the ``N - 1`` sent rows,
+    ``x - decode(encode(x))`` (the sender decodes its own bytes; not in place: a codec's packed rows may alias its
+    input, ``IdentityCodec``)."""
+    n = x.shape[1]
+    if not exact_own:  # the broken variant: the own row quantized like the others
+        packed = codec.encode_rows(x)
+        return packed, others(x - codec.decode_rows(packed, n), me)
+    rows = others(x, me)
+    encoded = codec.encode_rows(rows)
+    packed = encoded.new_empty(x.shape[0], encoded.shape[1])
+    packed[me].zero_()
+    packed[:me].copy_(encoded[:me])
+    packed[me + 1:].copy_(encoded[me:])
+    return packed, rows - codec.decode_rows(encoded, n)
+
+
+def decode_sum(codec: Codec, recv: torch.Tensor, x: torch.Tensor, me: int, exact_own: bool) -> torch.Tensor:
+    """The received rows decoded and summed in fp32 in group-rank order (as the exact gloo path sums), the own row
+    exact (``x[me]``: what this rank sent itself, residual-free)."""
+    n = x.shape[1]
+    if not exact_own:
+        rows = list(codec.decode_rows(recv, n))
+    else:
+        decoded = codec.decode_rows(others(recv, me), n)
+        rows = [*decoded[:me], x[me], *decoded[me:]]
+    total = rows[0].clone()
+    for row in rows[1:]:  # fixed order
+        total.add_(row)
+    return total
 
 
 def compressor_stats(compressor: "GradCompressor") -> dict:

@@ -151,6 +151,11 @@ class ParamCompression:
             offset += size
         self.store.write_many(refs, values, lossy=False)
 
+    @staticmethod
+    def messages(packed: torch.Tensor, nodes: int, stride: int, wire: int) -> torch.Tensor:
+        """The N peers' messages in the gathered buffer, ``(N, wire)``, in peer order."""
+        return packed.view(nodes, stride).narrow(1, 0, wire)
+
     def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
         """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
         the gather stream (see [Note: the compressed stage 1]); timed as the codec's phase, its collective
@@ -192,7 +197,7 @@ class ParamCompression:
         mine.narrow(0, 0, wire).copy_(codec.encode(delta))
         with LEDGER.tagged(PARAM_COMPRESSED), timeline.waiting(timeline.fetch_phase()):
             dist.allgather_fn(packed, mine, group=group, async_op=False)  # ordered on the gather stream
-        decoded = codec.decode_rows(packed.view(nodes, stride).narrow(1, 0, wire), total)  # (N, total) fp32
+        decoded = codec.decode_rows(self.messages(packed, nodes, stride, wire), total)  # (N, total) fp32
         if pads != sizes:  # drop each parameter's block padding: the bundle's layout
             poffs = [0] * len(pads)
             for i in range(1, len(pads)):

@@ -204,41 +204,43 @@ class ResidualStore:
             offset += numel
         self.writes_done()
 
-    def move(self, budget: int) -> int:
-        """``grad_buffer_device: device``, at the measured step ([Note: the device buffer comes from a measured step]
-        in ``grads/buffer.py``): both slots to the accelerator when they fit ``budget`` (one allocation, as planned),
-        committed values copied on the current stream after the last write's event; the host allocation is dropped
-        once that copy completed (:meth:`reap`). Returns the bytes moved."""
-        host = self.flats[0]
-        if self.device != "host" or host is None or host._base is None or self.nbytes > budget:
-            return 0
-        base = host._base
-        try:
-            faults.maybe_fail("alloc_residual_device")
-            moved = device.accel_empty(base.numel(), torch.float32)
-        except (RuntimeError, MemoryError, faults.InjectedFault):
-            return 0
-        device.wait_event(self.written)  # the residual stream's last copies into the host slots
-        device.to_accel(base, out=moved)
-        total = host.numel()
-        with self._lock:
-            self.flats, self.device, self.written = (moved.narrow(0, 0, total), moved.narrow(0, total, total)), "device", None
-            self.retired.append((base, device.record_event()))
-        self.reap()
-        return moved.numel() * moved.element_size()
-
-    def reap(self) -> None:
-        """Drop the host allocation the move emptied once its copy completed (non-blocking)."""
-        done = [(t, ev) for t, ev in self.retired if device.event_done(ev)]
-        if done:
-            self.retired = [(t, ev) for t, ev in self.retired if all(t is not d for d, _ in done)]
-            for t, _ in done:
-                device.drop_host(t)
-            del t, done
-
     @property
     def nbytes(self) -> int:
         return sum(0 if f is None else f.numel() * f.element_size() for f in self.flats)
+
+
+def move_residuals(store: ResidualStore, budget: int) -> int:
+    """``grad_buffer_device: device``, at the measured step ([Note: the device buffer comes from a measured step] in
+    ``grads/buffer.py``): both slots to the accelerator when they fit ``budget`` (one allocation, as planned), the
+    values copied on the current stream after the last write's event; the host allocation is dropped once that copy
+    completed (:func:`reap_residuals`). Returns the bytes moved."""
+    host = store.flats[0]
+    if store.device != "host" or host is None or host._base is None or store.nbytes > budget:
+        return 0
+    base = host._base
+    try:
+        faults.maybe_fail("alloc_residual_device")
+        moved = device.accel_empty(base.numel(), torch.float32)
+    except (RuntimeError, MemoryError, faults.InjectedFault):
+        return 0
+    device.wait_event(store.written)  # the residual stream's last copies into the host slots
+    device.to_accel(base, out=moved)
+    total = host.numel()
+    with store._lock:
+        store.flats, store.device, store.written = (moved.narrow(0, 0, total), moved.narrow(0, total, total)), "device", None
+        store.retired.append((base, device.record_event()))
+    reap_residuals(store)
+    return moved.numel() * moved.element_size()
+
+
+def reap_residuals(store: ResidualStore) -> None:
+    """Drop the host allocation the move emptied once its copy completed (non-blocking)."""
+    done = [(t, ev) for t, ev in store.retired if device.event_done(ev)]
+    if done:
+        store.retired = [(t, ev) for t, ev in store.retired if all(t is not d for d, _ in done)]
+        for t, _ in done:
+            device.drop_host(t)
+        del t, done
 
 
 def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, planner: BufferPlanner,

@@ -62,22 +62,6 @@ class GradReducer:
         """See :meth:`BufferPlanner.measure` (collective over the DP group)."""
         return self.planner.measure(params)
 
-    def promote_buffer(self, headroom: int) -> int:
-        """At the measured step: the node buffer, then the error-feedback residuals, take what they may of the
-        accelerator ``headroom`` (``grad_buffer_device: device``; see :meth:`BufferPlanner.promote`). Returns the
-        bytes they moved there."""
-        moved = self.planner.promote(headroom)
-        compressor = self.comm.compressor
-        if compressor is not None and self.planner.device_budget is not None:
-            moved += compressor.store.move(self.planner.device_budget - moved)
-        return moved
-
-    def reap(self) -> None:
-        """Drop host memory the move emptied once its last copy completed (every step end, non-blocking)."""
-        self.buffer.reap()
-        if self.comm.compressor is not None:
-            self.comm.compressor.store.reap()
-
     @property
     def buffer_planned(self) -> bool:
         return self.planner.planned
