@@ -179,7 +179,7 @@ def test_the_vectorised_codec_gives_the_per_row_codec_s_bytes_and_bits(bits, rot
     new, old = BlockCodec(name, block, bits=bits, rotate=rotate), ReferenceBlockCodec(name, block, bits=bits, rotate=rotate)
     gen = torch.Generator().manual_seed(block * bits)
     for rows in (1, 3):
-        for n in (1, 7, block, 3 * block + 5, 1000):
+        for n in (1, block, 3 * block + 5):
             for kind, x in _adversarial(gen, rows, n, dtype):
                 x = x.to(dtype)
                 want = torch.stack([old.encode(r) for r in x])
@@ -188,6 +188,6 @@ def test_the_vectorised_codec_gives_the_per_row_codec_s_bytes_and_bits(bits, rot
                 decoded = torch.stack([old.decode(r.clone(), n) for r in want])  # .clone(): the old decode needs aligned rows
                 assert torch.equal(_bits(new.decode_rows(got, n)), _bits(decoded)), (kind, rows, n)
                 assert torch.equal(new.encode(x[-1]), want[-1]) and torch.equal(_bits(new.decode(want[-1], n)), _bits(decoded[-1]))
-    view = torch.randn(2, 300, generator=gen)[:, 40:]  # a non-contiguous input is read, not written
-    kept = view.clone()
-    assert torch.equal(new.encode_rows(view), torch.stack([old.encode(r) for r in kept])) and torch.equal(view, kept)
+    for x in (torch.randn(2, 4 * block, generator=gen), torch.randn(2, 300, generator=gen)[:, 40:]):
+        kept = x.clone()  # a contiguous or strided fp32 input is read, never written (the codec works on its own copy)
+        assert torch.equal(new.encode_rows(x), torch.stack([old.encode(r) for r in kept])) and torch.equal(x, kept)
