@@ -207,12 +207,13 @@ class FCDPConfig(GradStageFields):
 
     grad_buffer_device: Literal["host", "device"] = "host"
     """Where the ``node`` accumulation buffer (1/L of the trainable parameters per rank, fp32) lives:
-    pinned host memory (no accelerator memory beyond ZeRO-3's) or accelerator memory."""
+    pinned host memory (no accelerator memory beyond ZeRO-3's) or accelerator memory (it starts on the host and
+    moves what fits after a measured step, ``grads/buffer.py``)."""
 
     grad_buffer_budget: Any = "25%"
     """Memory the accumulation buffer may use: on the host per node (bytes, a size or a percentage of
-    available RAM, split across the node's ranks), on the accelerator per rank (of free memory after
-    the model and optimizer are built). Parameters that do not fit accumulate per rank (one warning)."""
+    available RAM, split across the node's ranks), on the accelerator per rank (of the headroom the
+    first complete step left, measured as the cache's). Parameters that do not fit accumulate per rank (one warning)."""
 
     param_gather: Literal["flat", "hierarchical", "auto"] = "auto"
     """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring

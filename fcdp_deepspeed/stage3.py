@@ -44,6 +44,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from fcdp_deepspeed import announce, ds_compat, faults, grads, strict_device, timeline
 from fcdp_deepspeed.compress import grads as compress_grads
+from fcdp_deepspeed.compress.residual import move_residuals, reap_residuals
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
@@ -76,6 +77,29 @@ def _without_inherited_hpz_group(kwargs: dict) -> dict:
     inherited: partition without one; ``runtime.attach`` points the instance at the node group afterwards.
     """
     return {**kwargs, "zero_param_parallel_group": None} if _block_enabled(kwargs) else kwargs
+
+
+def _place_gradient_memory(reducer: "grads.GradReducer | None", promotion) -> None:
+    """``grad_buffer_device: device``: at the cache's measured step the node buffer takes its share of the headroom,
+    then the error-feedback residuals what the buffer left of its budget, before the cache takes the rest ([Note: the
+    device buffer comes from a measured step] in ``grads/buffer.py``); what they emptied on the host is dropped at
+    later step ends, once its copies completed."""
+    if reducer is None or reducer.config.grad_buffer_device != "device":
+        return
+    planner, compressor = reducer.planner, reducer.comm.compressor
+
+    def claim(headroom: int) -> int:
+        moved = planner.promote(headroom)
+        if compressor is not None and planner.device_budget is not None:
+            moved += move_residuals(compressor.store, planner.device_budget - moved)
+        return moved
+
+    def reap() -> None:
+        reducer.buffer.reap()
+        if compressor is not None:
+            reap_residuals(compressor.store)
+    promotion.claims.append(claim)
+    promotion.reapers.append(reap)
 
 
 class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
@@ -251,6 +275,7 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
         self._cap_reduce_bucket(fcdp_config.grad_bucket_size, [p for p in params if p.requires_grad])
         announce.announce(self.fcdp, self.fcdp_grad_plan)
         self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
+        _place_gradient_memory(self.fcdp_grads, self.fcdp.promotion)
 
     def _pre_step(self) -> None:
         super()._pre_step()

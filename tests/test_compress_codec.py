@@ -135,3 +135,59 @@ def test_rotation_of_a_finite_huge_block_stays_finite_and_other_rows_keep_their_
     decoded = codec.roundtrip(x[1])[1]  # 1e37-scale elements through the whole int4 gradient codec
     err = (decoded.double() - x[1].double()).norm() / x[1].double().norm()  # float64: the norms overflow fp32
     assert torch.isfinite(decoded).all() and err.item() < 0.2
+
+
+# -- the vectorised codec against the per-row codec it replaced ([Note: vectorised codec]) ---------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (NaN payloads and the sign of zero included)."""
+    t = t.contiguous()
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _adversarial(gen: torch.Generator, rows: int, n: int, dtype: torch.dtype):
+    """Random and adversarial rows: heavy tails, NaN and inf blocks, signed zeros and subnormals, fp32's extremes."""
+    x = torch.randn(rows, n, generator=gen)
+    yield "randn", x
+    yield "heavy tails", x * torch.where(torch.rand(rows, n, generator=gen) < 0.02, 50.0, 1.0)
+    y = x.clone()
+    y[0, n // 2] = float("nan")
+    y[-1, 0], y[-1, -1] = float("inf"), float("-inf")
+    yield "nan and inf", y
+    z = torch.zeros(rows, n)
+    z[0, : n // 3] = -0.0
+    z[-1, -1] = 1e-40
+    yield "zeros and a subnormal", z
+    ties = torch.randint(-20, 20, (rows, n), generator=gen).float() / 2  # round-half-to-even ties
+    yield "ties", ties
+    if dtype == torch.float32:
+        yield "huge", x * 1e37  # [Note: butterfly range]
+        yield "tiny", x * 1e-41
+        m = x.clone()
+        m[0] = 3e38
+        yield "fp32 max", m
+
+
+@pytest.mark.parametrize("bits,rotate,block", [(8, False, 128), (4, False, 128), (4, True, 128), (4, True, 16),
+                                               (8, False, 10), (4, False, 10), (4, True, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_vectorised_codec_gives_the_per_row_codec_s_bytes_and_bits(bits, rotate, block, dtype):
+    """Issue 31: ``encode_rows``/``decode_rows`` batch every block of every row in one call with fused ops; their
+    bytes and decoded bits (NaN payloads, signed zeros) equal the codec before it (``tests/codec_reference.py``, its
+    per-row ``encode``/``decode``), on padded tails, one and several rows, every dtype."""
+    from codec_reference import ReferenceBlockCodec
+    name = f"int{bits}"
+    new, old = BlockCodec(name, block, bits=bits, rotate=rotate), ReferenceBlockCodec(name, block, bits=bits, rotate=rotate)
+    gen = torch.Generator().manual_seed(block * bits)
+    for rows in (1, 3):
+        for n in (1, block, 3 * block + 5):
+            for kind, x in _adversarial(gen, rows, n, dtype):
+                x = x.to(dtype)
+                want = torch.stack([old.encode(r) for r in x])
+                got = new.encode_rows(x)
+                assert torch.equal(got, want), (kind, rows, n)
+                decoded = torch.stack([old.decode(r.clone(), n) for r in want])  # .clone(): the old decode needs aligned rows
+                assert torch.equal(_bits(new.decode_rows(got, n)), _bits(decoded)), (kind, rows, n)
+                assert torch.equal(new.encode(x[-1]), want[-1]) and torch.equal(_bits(new.decode(want[-1], n)), _bits(decoded[-1]))
+    for x in (torch.randn(2, 4 * block, generator=gen), torch.randn(2, 300, generator=gen)[:, 40:]):
+        kept = x.clone()  # a contiguous or strided fp32 input is read, never written (the codec works on its own copy)
+        assert torch.equal(new.encode_rows(x), torch.stack([old.encode(r) for r in kept])) and torch.equal(x, kept)

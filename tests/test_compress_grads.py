@@ -26,7 +26,7 @@ HIER = {"grad_reduce": "hierarchical", "grad_accumulation": "rank"}
 INT8, INT4 = {"grad_compression": "int8"}, {"grad_compression": "int4"}
 GATED = dict(grad_accum=2, gate={1}, steps=3, record_grads=True)  # last block idle in the boundary micro-step: flush
 BROKEN = {"wrong_scale": dict(codec="wrong_scale"), "divide_by_nodes": dict(codec="identity", **{"break": "divide_by_nodes"}),
-          "rows_reversed": dict(codec="rows_reversed"), "blocks_rolled": dict(codec="blocks_rolled")}
+          "rows_reversed": dict(codec="identity", **{"break": "rows_reversed"}), "blocks_rolled": dict(codec="blocks_rolled")}
 EF_STEPS = 12
 #: Steps of the invariant scenarios, and the checkpoint event after the first micro-step of some windows.
 INV_STEPS, MID_WINDOW = 3, {1: "save", 2: "save16"}
@@ -349,3 +349,58 @@ def test_unsupported_dtypes_and_flat_plans_are_refused_by_name():
         check_grad_compression("int4", resolve_grad_plan("auto", "auto", 1, 4, 1), torch.float32, torch.float32)
     with pytest.raises(FCDPConfigError, match="grad_compression = 'int4' compresses the inter-node stage"):
         parse_fcdp_config({"fcdp": {"enabled": True, "grad_compression": "int4", "grad_reduce": "flat"}})
+
+
+# -- in-process: the vectorised exchange against the per-parameter one it replaced -------------------------------
+def _store(nodes: int, sizes: dict, values: torch.Tensor) -> ResidualStore:
+    """A device store with a history: ds 3 committed (its step's clip applies), ds 20 committed at loss scale 4,
+    ds 7 pending (a later exchange of the window), ds 11 never written."""
+    offsets, offset = {}, 0
+    for ds_id in sorted(sizes):
+        offsets[ds_id] = (offset, (nodes - 1) * sizes[ds_id])
+        offset += (nodes - 1) * sizes[ds_id]
+    store = ResidualStore(flats=(values[0, :offset].clone(), values[1, :offset].clone()), offsets=offsets, device="device")
+    store.scales, store.committed, store.pending = {3: 2.0, 20: 4.0}, {3: 1}, {7: 2.0}
+    return store
+
+
+@pytest.mark.parametrize("nodes,me", [(2, 0), (2, 1), (3, 1), (4, 0), (4, 3)])
+@pytest.mark.parametrize("name,dtype", [("int8", torch.float32), ("int4", torch.float32), ("int4", torch.bfloat16)])
+def test_the_vectorised_exchange_sends_keeps_and_sums_the_per_parameter_exchange_s_bits(monkeypatch, nodes, me, name, dtype):
+    """[Note: the vectorised exchange] in compress/grads.py: one residual read, one encode and one decode per side for a
+    bucket give every byte sent to another node, every residual kept and the summed partition of the per-parameter
+    exchange before it (``tests/codec_reference.py``), bit for bit: committed, clipped, rescaled, pending and absent
+    residuals, padded rows, signed zeros and a NaN, fp32 and bf16 node sums."""
+    from types import SimpleNamespace
+    from codec_reference import reference_exchange
+    from fcdp_deepspeed.compress import grads as compress_grads
+    gen = torch.Generator().manual_seed(nodes * 10 + me)
+    codec = codec_for(name, 16, side="grads")
+    ds_ids, sizes = [11, 3, 7, 20], [37, 64, 5, 100]  # bucket order, not ds_id order
+    history = torch.randn(2, 4096, generator=gen)
+    history[:, 7] = -0.0
+    sums = [torch.randn(nodes, p, generator=gen).to(dtype) for p in sizes]
+    sums[0][:, :9] = sums[1][:, :9] = -0.0
+    sums[3][:, 50] = float("nan")
+    recv = codec.encode_rows(torch.randn(nodes, sum(sizes), generator=gen) * 3)
+    clips = {3: torch.tensor(0.25), 20: torch.tensor(0.5)}  # 20's committed residual is first read: clipped too
+    old_store = _store(nodes, dict(zip(ds_ids, sizes)), history)
+    packed_old, sent_old, total_old = reference_exchange(codec, old_store, clips, me, nodes, sums, ds_ids, 2.0, recv)
+
+    comp = compress_grads.GradCompressor.__new__(compress_grads.GradCompressor)
+    comp.codec, comp.layout, comp.me, comp.clips = codec, SimpleNamespace(nodes=nodes), me, clips
+    comp.store, comp.loss_scale, comp.accumulation_dtype = _store(nodes, dict(zip(ds_ids, sizes)), history), lambda: 2.0, torch.float32
+    comp.counters, comp._window_sq, comp.peer_group = compress_grads.CompressionCounters(), None, None
+    sent_rows = {}
+
+    def all_to_all(out, packed, group=None):
+        sent_rows["packed"] = packed.clone()
+        out.copy_(recv)
+    monkeypatch.setattr(compress_grads.dist, "all_to_all_single", all_to_all)
+    total = torch.cat(comp._exchange(sums, ds_ids))
+    others = [q for q in range(nodes) if q != me]
+    assert torch.equal(sent_rows["packed"][others], packed_old[others])  # the own row never crosses a link
+    assert torch.equal(total.view(torch.int32), total_old.view(torch.int32))
+    for new, old in zip(comp.store.flats, old_store.flats):
+        assert torch.equal(new.view(torch.int32), old.view(torch.int32))
+    assert comp.store.pending == old_store.pending and torch.isnan(total).any()

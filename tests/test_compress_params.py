@@ -280,3 +280,78 @@ def test_refusals_name_the_key_and_the_fix():
     gather = SimpleNamespace(unsupported=lambda params, quantize: "")
     with pytest.raises(FCDPConfigError, match=r"param_compression = \"int8\".*float8_e4m3fn.*Fix"):
         _candidates([fp8], frozenset({1}), gather, "int8", {})
+
+
+class _Part:
+    """A partitioned parameter as the compressed stage 1 reads it."""
+
+    def __init__(self, ds_id: int, numel: int, world: int) -> None:
+        self.ds_id, self.ds_numel, self.requires_grad = ds_id, numel, True
+        self.ds_tensor = SimpleNamespace(ds_numel=-(-numel // world))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("nodes,me", [(2, 1), (3, 0)])
+def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s_bits(monkeypatch, dtype, name, nodes, me):
+    """[Note: the vectorised stage 1] in compress/params.py: one delta, one encode, one decode of all N messages and one
+    reconstruction for a gather give the message, every reconstruction, every new reference and the drift of the
+    per-parameter loop before it (``tests/codec_reference.py``), bit for bit: host references sharing a pool chunk (one
+    copy of their span) and an accelerator one, block padding between parameters, a partition past the parameter's
+    end (its uninitialized elements NaN here) and one with no element of it, every parameter dtype."""
+    from codec_reference import reference_stage1
+    from fcdp_deepspeed.cache import Placement
+    from fcdp_deepspeed.compress import codec_for
+    from fcdp_deepspeed.compress import params as compress_params
+    from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceStore, RefState
+    world = 2 * nodes
+    dp_index = world - 1  # the last rank: partitions past the parameters' ends
+    gen = torch.Generator().manual_seed(nodes + me)
+    codec = codec_for(name, 16)
+    params = [_Part(1, 98, world), _Part(2, 16 * world, world), _Part(3, world * 3 - 3, world), _Part(4, 40 * world, world)]
+    sizes = [p.ds_tensor.ds_numel for p in params]
+    valid = [max(0, min(n, p.ds_numel - dp_index * n)) for p, n in zip(params, sizes)]
+    assert valid[0] < sizes[0] and valid[2] == 0
+    part = sum(sizes)
+    chunk = (torch.randn(nodes * part + 7, generator=gen) * 0.1).to(dtype)  # a host pool chunk
+    store = ReferenceStore(CompressionCounters(), refresh_interval=0)
+    offset = 7
+    for p, size in zip(params, sizes):
+        on_device = p.ds_id == 2
+        slot = (torch.randn(nodes * size, generator=gen) * 0.1).to(dtype) if on_device else chunk.narrow(0, offset, nodes * size)
+        offset += 0 if on_device else nodes * size
+        store.refs[p.ds_id] = Reference(p, f"p{p.ds_id}", size, nodes, dtype, state=RefState.VALID, why="",
+                                        placement=Placement.DEVICE if on_device else Placement.HOST, slot=slot)
+    rows = torch.full((nodes, part), float("nan")).to(dtype)
+    off = 0
+    for n, size in zip(valid, sizes):
+        rows[me, off:off + n] = (torch.randn(n, generator=gen) * 0.1).to(dtype) + store.refs[params[0].ds_id].slot[0]
+        off += size
+    total = sum(-(-n // 16) * 16 for n in sizes)
+    peers = [codec.encode(torch.randn(total, generator=gen) * 1e-2) for _ in range(nodes)]
+    old_refs = [store.refs[p.ds_id].slot.view(nodes, n).clone() for p, n in zip(params, sizes)]
+    old_rows = rows.clone()
+    own, (errors, norms), new_refs = reference_stage1(codec, old_refs, sizes, valid, old_rows, me, peers)
+
+    pc = compress_params.ParamCompression(codec, store, CompressionCounters(), nodes, me, dp_index)
+    seen = {}
+
+    def allgather(packed, mine, group=None, async_op=False):
+        seen["own"] = mine.clone()
+        stride = mine.numel()
+        for q in range(nodes):
+            src = mine if q == me else peers[q]
+            packed.narrow(0, q * stride, src.numel()).copy_(src)
+    monkeypatch.setattr(compress_params.dist, "allgather_fn", allgather)
+    monkeypatch.setattr(pc.drift, "add", lambda e, n: seen.update(drift=(e, n)))
+    bundle = rows.view(-1)
+    pc._stage1(params, bundle, part, None)
+    assert torch.equal(seen["own"][:own.numel()], own) and not seen["own"][own.numel():].any()
+    assert torch.equal(_bits(rows), _bits(old_rows))
+    for p, want in zip(params, new_refs):
+        assert torch.equal(_bits(store.refs[p.ds_id].slot.view_as(want)), _bits(want))
+    assert torch.equal(_bits(seen["drift"][0]), _bits(errors)) and torch.equal(_bits(seen["drift"][1]), _bits(norms))

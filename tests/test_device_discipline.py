@@ -63,7 +63,7 @@ ORDERINGS = {
                        r".* is not ordered after its write on stream 'fcdp_grad_residual' at compress/residual.py:\d+ "
                        r"_host_to_accel"),
     # the residual stream waits for the new residual (reduce stream) before copying it to the host
-    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write .* is not "
+    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write_many .* is not "
                        r"ordered after its write on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+"),
     # the reduce stream waits for the gradient's inter-node stage (its group's stream) before reading what it received
     # (issue 31: the stage runs behind the backward, grads/inflight.py); exact, and compressed (decoded at completion)

@@ -175,3 +175,81 @@ def test_node_buffer_chunks_hold_what_the_host_budget_allows():
     assert fit_prefix_cost([100 * MiB] * 3, 383 * MiB, rounds=True) == 2
     assert fit_prefix_cost([100 * MiB] * 3, 384 * MiB, rounds=True) == 3
     assert fit_prefix_cost([100 * MiB] * 3, 300 * MiB, rounds=False) == 3
+
+
+# -- the node gradient buffer's placement (grads/buffer.py) ---------------------------------------------------------
+KiB = 2**10
+
+
+def _planner(monkeypatch, budget, device_mode: bool, slots: int, slot_bytes: int, chunk_bytes: int):
+    """A node-buffer planner of ``slots`` parameters of ``slot_bytes`` each (1 node peer, 1 rank per node, so a slot
+    is a parameter's whole gradient), chunks of ``chunk_bytes``, no process group (agreement is the identity)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fcdp_deepspeed.config import parse_fcdp_config
+    from fcdp_deepspeed.grads import buffer as gbuf
+    monkeypatch.setattr(gbuf, "CHUNK_BYTES", chunk_bytes)
+    config = parse_fcdp_config({"fcdp": {"enabled": True, "grad_buffer_budget": budget,
+                                         "grad_buffer_device": "device" if device_mode else "host"}})
+    layout = SimpleNamespace(nodes=1, dp_size=1, per_node=1)
+    planner = gbuf.BufferPlanner(config, layout, None, torch.float32, gbuf.NodeGradBuffer())
+    monkeypatch.setattr(planner, "agree_min", lambda value: value)
+    params = [SimpleNamespace(ds_id=i, ds_numel=slot_bytes // 4) for i in range(slots)]
+    return planner, params
+
+
+def test_a_pinned_host_buffer_holds_its_whole_budget(monkeypatch):
+    """[Note: buffer chunks], through the planner's allocation (pinned for real: an accelerator that pins, faked):
+    a 96 KiB budget holds all 24 slots of 4 KiB in power-of-two chunks, where one rounded flat buffer held 16."""
+    import torch
+
+    from fcdp_deepspeed import device
+    requested = []
+    monkeypatch.setattr(device, "pins_host_memory", lambda: True)
+    monkeypatch.setattr(device, "pin_empty", lambda numel, dtype: requested.append(numel * dtype.itemsize) or
+                        torch.empty(numel, dtype=dtype))
+    planner, params = _planner(monkeypatch, 96 * KiB, False, slots=24, slot_bytes=4 * KiB, chunk_bytes=16 * KiB)
+    assert memory.pinned_capacity(96 * KiB) // (4 * KiB) == 16  # what the single rounded flat buffer held
+    planner.plan(params)
+    assert len(planner.buffer.offsets) == 24 and planner.unbuffered_bytes == 0
+    assert requested == [16 * KiB] * 6 and planner.buffer.nbytes == sum(requested) == 96 * KiB
+    assert planner.buffer.placed_bytes("host") == 96 * KiB and planner.buffer.placed_bytes("device") == 0
+
+
+def test_a_device_buffer_starts_on_the_host_and_takes_only_what_the_measured_step_left(monkeypatch):
+    """[Note: the device buffer comes from a measured step] in grads/buffer.py: ``grad_buffer_device: device`` takes no
+    accelerator memory at build (it took 25% of free memory, before any step existed: batch size ZeRO-3 could have
+    used); at the measured step it moves the chunks that fit 25% of the headroom that step left, before the cache takes
+    the rest of it, and the sums it accumulates are the same in both places."""
+    import torch
+
+    from fcdp_deepspeed.runtime import promotion
+    from fcdp_deepspeed.config import parse_fcdp_config
+    free_at_build = 3 * GiB  # the old build-time rule took 25% of it: 768 MiB
+    fake = type("Accel", (), {"total_memory": lambda s: 4 * GiB, "max_memory_reserved": lambda s: 2 * GiB - 64 * KiB,
+                              "memory_reserved": lambda s: GiB, "available_memory": lambda s: free_at_build})()
+    monkeypatch.setattr(promotion, "get_accelerator", lambda: fake)
+    planner, params = _planner(monkeypatch, "25%", True, slots=8, slot_bytes=4 * KiB, chunk_bytes=4 * KiB)
+    planner.plan(params)
+    buf = planner.buffer
+    assert buf.placed_bytes("device") == 0 and buf.placed_bytes("host") == 32 * KiB  # build: host only
+    cache_config = parse_fcdp_config({"fcdp": {"enabled": True, "cache_device": "device"}})
+    steps = promotion.Promotion(cache_config, type("Cache", (), {"entries": {}, "pools": {}})(),
+                                claims=[planner.promote], reapers=[buf.reap])
+    headroom = memory.measured_device_headroom(4 * GiB, 2 * GiB - 64 * KiB, GiB, free_at_build)
+    assert headroom == 64 * KiB  # 4 GiB - a 2 GiB peak (+64 KiB) - the 2 GiB margin, nothing outside the allocator
+    steps.on_step_end()
+    assert buf.placed_bytes("device") == 0  # step 1 is not measured (no prefetch trace yet)
+    steps.on_step_end()
+    assert planner.device_budget == 16 * KiB and buf.placed_bytes("device") == 16 * KiB  # 25% of 64 KiB: 4 chunks
+    assert buf.placements == ["device"] * 4 + ["host"] * 4 and buf.placed_bytes("host") == 16 * KiB and not buf.retired
+    assert steps.headroom == 48 * KiB  # what the cache may still take
+    cols = {p.ds_id: torch.full((1, 1024), float(p.ds_id)) for p in params}
+    buf.accumulate(list(cols.items()))
+    buf.accumulate(list(cols.items()))
+    assert all(torch.equal(buf.take(i, (1, 1024)), 2 * c) for i, c in cols.items())  # both placements add alike
+    planner2, params2 = _planner(monkeypatch, 64 * GiB, True, slots=8, slot_bytes=4 * KiB, chunk_bytes=4 * KiB)
+    planner2.plan(params2)
+    assert planner2.promote(64 * KiB) == 32 * KiB and planner2.device_budget == 64 * KiB  # a size: capped by headroom

@@ -113,25 +113,10 @@ class GradCompressor:
         sizes = [t.shape[1] for t in node_sums]
         x = torch.cat([t.to(torch.float32) for t in node_sums], dim=1)
         scale, me, exact_own = self.loss_scale(), self.me, not faults.compression_broken("own_row")
-        offset = 0
-        for ds_id, p in zip(ds_ids, sizes):
-            first = ds_id not in self.store.pending  # the committed residual: scaled by its step's clip coefficient
-            residual = self.store.read(ds_id, (self.layout.nodes - 1, p), scale)
-            if residual is not None:
-                if first and ds_id in self.clips:
-                    residual = residual * self.clips[ds_id]
-                x[:me, offset:offset + p].add_(residual[:me])  # the sent rows: every row but ``me``
-                x[me + 1:, offset:offset + p].add_(residual[me:])
-            offset += p
-        packed = self.codec.encode_rows(x)
-        # the sender decodes its own bytes; not in place: a codec's packed rows may alias its input (IdentityCodec)
-        left = x - self.codec.decode_rows(packed, x.shape[1])
-        sent = torch.cat([left[:me], left[me + 1:]])  # the own row has no residual ([Note: the own row])
+        add_residuals(x, me, self.store.read_many, self._clips(ds_ids), ds_ids, sizes, scale)
+        packed, sent = encode_sent(self.codec, x, me, exact_own)
         self._accumulate(sent, x.square().sum() - x[me].square().sum())
-        offset = 0
-        for ds_id, p in zip(ds_ids, sizes):
-            self.store.write(ds_id, sent[:, offset:offset + p], scale)
-            offset += p
+        self.store.write_many(ds_ids, sent.split(sizes, dim=1), scale)
         self.store.writes_done()
         recv = torch.empty_like(packed)
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
@@ -142,15 +127,14 @@ class GradCompressor:
 
     def _decode(self, recv: torch.Tensor, x: torch.Tensor, sizes: Sequence[int], exact_own: bool) -> list[torch.Tensor]:
         """The completed exchange's partitions: every received row decoded and summed (the own row exact)."""
-        me = self.me
         with timeline.waiting(timeline.Phase.CODEC):
-            rows = self.codec.decode_rows(recv, x.shape[1])
-            if exact_own:
-                rows[me] = x[me]  # what this rank sent itself, exact (residual-free: it never had one)
-            total = rows[0].clone()
-            for row in rows[1:]:  # fixed order: group-rank order, as the exact gloo path sums
-                total.add_(row)
+            total = decode_sum(self.codec, recv, x, self.me, exact_own)
             return list(total.to(self.accumulation_dtype).split(sizes))
+
+    def _clips(self, ds_ids: Sequence[int]) -> list[Optional[torch.Tensor]]:
+        """The clip coefficient each parameter's residual is read with: that of the step that committed it, for the
+        first read of a window (a pending residual is already in this window's units), ``None`` for 1."""
+        return [None if d in self.store.pending else self.clips.get(d) for d in ds_ids]
 
     def _accumulate(self, left: torch.Tensor, quantized_sq: torch.Tensor) -> None:
         sq = torch.stack([left.square().sum(), quantized_sq])
@@ -217,6 +201,68 @@ class GradCompressor:
 
     def stats(self) -> dict:
         return compressor_stats(self)
+
+
+# -- [Note: the vectorised exchange] ----------------------------------------------------------------------------
+# One residual read, one encode and one decode per side for a whole bucket (or flush batch), whatever its number of
+# parameters. The own row is neither encoded nor decoded ([Note: the own row]: the bytes a rank sends itself never
+# cross a link and their decode was replaced by ``x[me]``): its packed row is zeros. Every value that reaches a link,
+# a residual or a gradient is bit for bit what the per-parameter form computed (``tests/test_compress_grads.py``:
+# the identity guard, and the in-process comparison with ``tests/codec_reference.py``).
+def others(t: torch.Tensor, me: int) -> torch.Tensor:
+    """``t`` without row ``me`` (a view when ``me`` is the first or last row)."""
+    return t[1:] if me == 0 else t[:me] if me == t.shape[0] - 1 else torch.cat([t[:me], t[me + 1:]])
+
+
+def add_residuals(x: torch.Tensor, me: int, read: Callable, clips: Sequence[Optional[torch.Tensor]],
+                  ds_ids: Sequence[int], sizes: Sequence[int], scale: float) -> None:
+    """``x``'s sent rows (every row but ``me``) plus each parameter's residual (``read``: the store's
+    ``read_many``), times its clip coefficient where one is given ([Note: residuals and clipping]): one add per row
+    range. A parameter without a residual adds ``-0.0``, which leaves every value and its sign as it was."""
+    sent = x.shape[0] - 1
+    residuals = read(ds_ids, [(sent, p) for p in sizes], scale)
+    if not sent or all(r is None for r in residuals):
+        return
+    neutral = x.new_full((1, 1), -0.0)
+    r = torch.cat([neutral.expand(sent, p) if res is None else res for res, p in zip(residuals, sizes)], dim=1)
+    clips = [c if res is not None else None for c, res in zip(clips, residuals)]
+    if any(c is not None for c in clips):
+        one = x.new_ones(1)
+        r.mul_(torch.cat([(one if c is None else c.reshape(1)).expand(p) for c, p in zip(clips, sizes)]))
+    x[:me].add_(r[:me])
+    x[me + 1:].add_(r[me:])
+
+
+def encode_sent(codec: Codec, x: torch.Tensor, me: int, exact_own: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, sent)``: the ``(N, wire)`` rows of the all-to-all and the residual of the ``N - 1`` sent rows,
+    ``x - decode(encode(x))`` (the sender decodes its own bytes; not in place: a codec's packed rows may alias its
+    input, ``IdentityCodec``)."""
+    n = x.shape[1]
+    if not exact_own:  # the broken variant: the own row quantized like the others
+        packed = codec.encode_rows(x)
+        return packed, others(x - codec.decode_rows(packed, n), me)
+    rows = others(x, me)
+    encoded = codec.encode_rows(rows)
+    packed = encoded.new_empty(x.shape[0], encoded.shape[1])
+    packed[me].zero_()
+    packed[:me].copy_(encoded[:me])
+    packed[me + 1:].copy_(encoded[me:])
+    return packed, rows - codec.decode_rows(encoded, n)
+
+
+def decode_sum(codec: Codec, recv: torch.Tensor, x: torch.Tensor, me: int, exact_own: bool) -> torch.Tensor:
+    """The received rows decoded and summed in fp32 in group-rank order (as the exact gloo path sums), the own row
+    exact (``x[me]``: what this rank sent itself, residual-free)."""
+    n = x.shape[1]
+    if not exact_own:
+        rows = list(codec.decode_rows(recv, n))
+    else:
+        decoded = codec.decode_rows(others(recv, me), n)
+        rows = [*decoded[:me], x[me], *decoded[me:]]
+    total = rows[0].clone()
+    for row in rows[1:]:  # fixed order
+        total.add_(row)
+    return total
 
 
 def compressor_stats(compressor: "GradCompressor") -> dict:

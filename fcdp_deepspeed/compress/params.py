@@ -55,6 +55,11 @@ def pays(codec: Codec, partition_numel: int, dtype: torch.dtype) -> bool:
     return codec.wire_numel(padded(partition_numel, codec.block)) < partition_numel * dtype.itemsize
 
 
+def _norms(tensors: list) -> list:
+    """The L2 norm of each tensor: one ``_foreach_norm`` (torch >= 2.0; each norm that of ``linalg.vector_norm``)."""
+    return list(torch._foreach_norm(tensors)) if tensors else []
+
+
 @dataclass(eq=False)
 class DriftMeter:
     """Drift of this rank's own reconstructions since the last report, kept on the accelerator."""
@@ -135,19 +140,21 @@ class ParamCompression:
         (not inside ``exact_gathers``: training's references stay as they were)."""
         if self.exact_only:
             return
-        rows, offset = bundle.view(self.nodes, part), 0
+        rows, offset, refs, values = bundle.view(self.nodes, part), 0, [], []
         for p in params:
             size, ref = p.ds_tensor.ds_numel, self.store.get(p)
             if ref is not None and not p.requires_grad:
                 self.store.mark_frozen(ref)  # [Note: frozen after build] in reference.py
             elif ref is not None:
-                self.store.write(ref, rows[:, offset:offset + size], lossy=False)
+                refs.append(ref)
+                values.append(rows[:, offset:offset + size])
             offset += size
+        self.store.write_many(refs, values, lossy=False)
 
     @staticmethod
-    def message(packed: torch.Tensor, peer: int, stride: int, wire: int) -> torch.Tensor:
-        """Peer ``peer``'s message in the gathered buffer."""
-        return packed.narrow(0, peer * stride, wire)
+    def messages(packed: torch.Tensor, nodes: int, stride: int, wire: int) -> torch.Tensor:
+        """The N peers' messages in the gathered buffer, ``(N, wire)``, in peer order."""
+        return packed.view(nodes, stride).narrow(1, 0, wire)
 
     def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
         """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
@@ -157,44 +164,54 @@ class ParamCompression:
             self._stage1(params, bundle, part, group)
 
     def _stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
+        """[Note: the vectorised stage 1] A fixed number of whole-bundle ops, whatever the number of parameters: one
+        delta (two ``cat`` of per-parameter views, zero views for padding and the elements past a parameter's end),
+        one encode, one decode of all N messages, one add writing every reconstruction into the bundle, the drift's
+        norms in one ``_foreach_norm``, the references read and written in one batch. Each element is computed by the
+        same fp32 op on the same operands as the per-parameter loop was, so the bytes on the wire and every
+        reconstruction keep their bits (``tests/test_compress_params.py``)."""
         codec, nodes, me = self.codec, self.nodes, self.peer_index
         refs = [self.store.get(p) for p in params]
         sizes = [p.ds_tensor.ds_numel for p in params]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        valid = [max(0, min(n, p.ds_numel - self.dp_index * n)) for p, n in zip(params, sizes)]
         pads = [padded(n, codec.block) for n in sizes]
-        pad_offsets = [sum(pads[:i]) for i in range(len(pads))]
+        offsets = [0] * len(sizes)
+        for i in range(1, len(sizes)):
+            offsets[i] = offsets[i - 1] + sizes[i - 1]
         total = sum(pads)
         rows = bundle.view(nodes, part)
-        on_accel = [self.store.on_accel(r).view(nodes, r.partition_numel) for r in refs]
-        delta = device.accel_empty(total, torch.float32).zero_()
-        valid = [max(0, min(n, p.ds_numel - self.dp_index * n)) for p, n in zip(params, sizes)]
-        for ref_rows, off, poff, n in zip(on_accel, offsets, pad_offsets, valid):
-            seg = delta.narrow(0, poff, n)  # past the parameter's end: zero (DeepSpeed leaves it uninitialized)
-            seg.copy_(rows[me].narrow(0, off, n))
-            seg.sub_(ref_rows[me].narrow(0, 0, n))  # fp32 (in place on the fp32 segment)
+        on_accel = self.store.on_accel_many(refs)  # (N, p) per parameter
+        zero = rows.new_zeros(1)
+
+        def own(pieces: list) -> torch.Tensor:  # fp32: each parameter's valid elements, then zeros to its padded end
+            out = device.accel_empty(total, torch.float32)
+            return torch.cat([t for piece, n, pad in zip(pieces, valid, pads)
+                              for t in (piece.narrow(0, 0, n), zero.expand(pad - n))], out=out)
+        delta = own([rows[me].narrow(0, off, n) for off, n in zip(offsets, sizes)])
+        delta.sub_(own([r[me] for r in on_accel]))  # past the parameter's end: zero (DeepSpeed leaves it uninitialized)
         wire = codec.wire_numel(total)
         stride = padded(wire, ALIGN)
         packed = device.accel_empty(nodes * stride, torch.uint8)
-        own = packed.narrow(0, me * stride, stride)
-        own.zero_()
-        own.narrow(0, 0, wire).copy_(codec.encode(delta))
+        mine = packed.narrow(0, me * stride, stride)
+        mine.zero_()
+        mine.narrow(0, 0, wire).copy_(codec.encode(delta))
         with LEDGER.tagged(PARAM_COMPRESSED), timeline.waiting(timeline.fetch_phase()):
-            dist.allgather_fn(packed, own, group=group, async_op=False)  # ordered on the gather stream
-        errors, norms = [], []
-        for peer in range(nodes):  # one decoded message at a time: P fp32 elements of scratch, not N x P
-            decoded = codec.decode(self.message(packed, peer, stride, wire), total)
-            for ref_rows, off, poff, size, n in zip(on_accel, offsets, pad_offsets, sizes, valid):
-                recon = torch.add(ref_rows[peer], decoded.narrow(0, poff, size)).to(rows.dtype)  # fp32 sum, then the dtype
-                if peer == me:  # before the exact partition is overwritten: the drift
-                    exact = rows[me].narrow(0, off, n).float()
-                    errors.append(torch.linalg.vector_norm(recon.narrow(0, 0, n).float() - exact))
-                    norms.append(torch.linalg.vector_norm(exact))
-                rows[peer].narrow(0, off, size).copy_(recon)
+            dist.allgather_fn(packed, mine, group=group, async_op=False)  # ordered on the gather stream
+        decoded = codec.decode_rows(self.messages(packed, nodes, stride, wire), total)  # (N, total) fp32
+        if pads != sizes:  # drop each parameter's block padding: the bundle's layout
+            poffs = [0] * len(pads)
+            for i in range(1, len(pads)):
+                poffs[i] = poffs[i - 1] + pads[i - 1]
+            decoded = torch.cat([decoded.narrow(1, o, n) for o, n in zip(poffs, sizes)], dim=1)
+        exact = rows[me].to(torch.float32, copy=True)  # before it is overwritten: the drift (a copy, also in fp32)
+        torch.add(torch.cat(on_accel, dim=1), decoded.narrow(1, 0, part), out=rows)  # fp32 sums, cast to the dtype
+        error = rows[me].float() - exact
+        errors = _norms([error.narrow(0, off, n) for off, n in zip(offsets, valid)])
+        norms = _norms([exact.narrow(0, off, n) for off, n in zip(offsets, valid)])
         if faults.compression_broken("reconstruction"):  # test of the replica check: this rank's bundle is 1 ulp off
             bits = {2: torch.int16, 4: torch.int32}[rows.element_size()]
             rows.view(bits)[0, 0].bitwise_xor_(1)
-        for ref, off, size in zip(refs, offsets, sizes):
-            self.store.write(ref, rows[:, off:off + size], lossy=True)  # the reconstruction is the new reference
+        self.store.write_many(refs, [rows[:, off:off + n] for off, n in zip(offsets, sizes)], lossy=True)
         self.drift.add(torch.stack(errors), torch.stack(norms))
         self.counters.bump(compressed_gathers=len(params))
 

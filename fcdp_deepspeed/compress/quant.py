@@ -77,6 +77,38 @@ class Codec:
         return torch.stack([self.decode(row, numel) for row in packed])
 
 
+#: fp32's largest finite value (the rotation's range guard, [Note: butterfly range]).
+_FMAX = torch.finfo(torch.float32).max
+
+
+def _butterflies(y: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """The unnormalized butterfly stages over the last dimension of contiguous ``(M, B)`` ``y``, ping-ponging between
+    ``y`` and ``work`` (both overwritten): returns whichever holds the result.
+
+    [Note: vectorised codec] Each stage writes its sums and differences straight into the other buffer (``out=``):
+    the same fp32 adds and subtracts, on the same operands, in the same stage order as the stacked form before
+    (``torch.stack((low + high, low - high))``), so the same bits, without a temporary and a copy per stage."""
+    src, dst, h, width = y, work, 1, y.shape[-1]
+    while h < width:
+        s, d = src.view(-1, 2, h), dst.view(-1, 2, h)
+        torch.add(s[:, 0], s[:, 1], out=d[:, 0])
+        torch.sub(s[:, 0], s[:, 1], out=d[:, 1])
+        src, dst, h = dst, src, h * 2
+    return src
+
+
+def _rotate(blocks: torch.Tensor, owned: bool) -> torch.Tensor:
+    """:func:`hadamard_` of contiguous fp32 ``blocks``; ``owned``: ``blocks`` may be overwritten (no copy)."""
+    width = blocks.shape[1]
+    stages = width.bit_length() - 1
+    big = blocks.abs().amax(dim=1, keepdim=True) > _FMAX / width
+    one = torch.ones_like(big, dtype=blocks.dtype)
+    down = torch.where(big, one * 2.0 ** -stages, one)
+    y = blocks.mul_(down) if owned else blocks * down
+    y = _butterflies(y, torch.empty_like(y))
+    return y.mul_(width ** -0.5).mul_(down.reciprocal())
+
+
 def hadamard_(blocks: torch.Tensor) -> torch.Tensor:
     """The orthonormal Walsh-Hadamard transform of each row of ``(M, B)`` fp32 ``blocks`` (``B`` a power of two),
     by butterflies: its own inverse (see [Note: the rotation]). Returns a new tensor.
@@ -85,18 +117,7 @@ def hadamard_(blocks: torch.Tensor) -> torch.Tensor:
     finite row above ``fp32 max / B`` (~2.7e36 at B = 128) would overflow to inf (NaN after ``inf - inf``). Such
     rows are scaled by ``2^-log2(B)`` first and back by ``2^log2(B)`` after: powers of two, exact, so every other
     row gets the same bits as without the guard (no host read: a per-row ``where``)."""
-    rows, width = blocks.shape
-    stages = width.bit_length() - 1
-    big = blocks.abs().amax(dim=1, keepdim=True) > torch.finfo(torch.float32).max / width
-    one = torch.ones_like(big, dtype=blocks.dtype)
-    down = torch.where(big, one * 2.0 ** -stages, one)
-    y, h = blocks * down, 1
-    while h < width:
-        pairs = y.reshape(rows, width // (2 * h), 2, h)
-        low, high = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        y = torch.stack((low + high, low - high), dim=2)
-        h *= 2
-    return y.reshape(rows, width).mul_(width ** -0.5).mul_(down.reciprocal())
+    return _rotate(blocks.contiguous(), owned=False)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -105,7 +126,16 @@ def is_power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class BlockCodec(Codec):
-    """Blockwise absmax int8/int4 (see [Note: the wire format]), optionally rotated ([Note: the rotation])."""
+    """Blockwise absmax int8/int4 (see [Note: the wire format]), optionally rotated ([Note: the rotation]).
+
+    [Note: vectorised codec] Every message of a collective is one ``encode_rows``/``decode_rows`` call: all blocks
+    of all rows batched, a fixed number of whole-tensor torch ops per call (no loop over rows, blocks or
+    parameters). Each op is the one the per-row form used, or one that gives the same bits by construction: a
+    block's ``absmax`` is finite exactly when all its elements are (``amax`` propagates NaN and inf); after
+    ``clamp`` the only non-finite code is NaN, which ``nan_to_num_`` zeroes as ``where(isfinite)`` did; nibbles
+    are packed as ``lo + 16 hi + 136`` in fp32 (exact small integers) and unpacked with uint8 arithmetic
+    (``(b & 15) + 248`` wraps to ``lo - 8`` as int8). ``tests/test_compress_codec.py`` compares bytes and
+    decoded bits with the per-row reference (``tests/codec_reference.py``) on random and adversarial inputs."""
 
     bits: int = 8
     rotate: bool = False
@@ -128,86 +158,61 @@ class BlockCodec(Codec):
     def wire_numel(self, numel: int) -> int:
         return self.blocks(numel) * SCALE_BYTES + self.code_bytes(numel)
 
-    def _scales(self, blocks: torch.Tensor) -> torch.Tensor:
-        absmax = blocks.abs().amax(dim=1)
-        scale = absmax / self.qmax
-        finite = torch.isfinite(blocks).all(dim=1)
-        return torch.where(finite, scale, torch.full_like(scale, float("nan")))
-
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        nb = self.blocks(n)
-        flat = x.reshape(-1).to(torch.float32)
-        if flat.numel() != nb * self.block:
-            flat = torch.cat([flat, flat.new_zeros(nb * self.block - flat.numel())])
-        blocks = flat.view(nb, self.block)
-        if self.rotate:
-            blocks = hadamard_(blocks)
-        scale = self._scales(blocks)
-        safe = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        codes = torch.round(blocks / safe.unsqueeze(1)).clamp_(-self.qmax, self.qmax)
-        codes = torch.where(torch.isfinite(codes), codes, torch.zeros_like(codes)).to(torch.int16)
-        if self.bits == 8:
-            payload = codes.to(torch.int8).view(torch.uint8).reshape(-1)
-        else:
-            nibbles = (codes + 8).to(torch.uint8).reshape(-1, 2)
-            payload = nibbles[:, 0] | (nibbles[:, 1] << 4)
-        return torch.cat([scale.view(torch.uint8).reshape(-1), payload])
-
-    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Vectorized :meth:`Codec.encode_rows`: the same ops per row as :meth:`encode`, so the same bytes."""
-        rows, n = x.shape
-        nb = self.blocks(n)
-        flat = x.to(torch.float32)
-        if n != nb * self.block:
-            flat = torch.cat([flat, flat.new_zeros(rows, nb * self.block - n)], dim=1)
-        blocks = flat.reshape(rows * nb, self.block)
-        if self.rotate:
-            blocks = hadamard_(blocks)
-        scale = self._scales(blocks)
-        safe = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        codes = torch.round(blocks / safe.unsqueeze(1)).clamp_(-self.qmax, self.qmax)
-        codes = torch.where(torch.isfinite(codes), codes, torch.zeros_like(codes)).to(torch.int16)
-        if self.bits == 8:
-            payload = codes.to(torch.int8).view(torch.uint8).reshape(rows, -1)
-        else:
-            nibbles = (codes + 8).to(torch.uint8).reshape(-1, 2)
-            payload = (nibbles[:, 0] | (nibbles[:, 1] << 4)).reshape(rows, -1)
-        return torch.cat([scale.view(torch.uint8).reshape(rows, -1), payload], dim=1)
-
-    def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        """Vectorized :meth:`Codec.decode_rows` (elementwise the same ops as :meth:`decode`)."""
-        rows = packed.shape[0]
-        nb = self.blocks(numel)
-        head = nb * SCALE_BYTES
-        scale = packed[:, :head].contiguous().view(torch.float32).reshape(rows * nb)
-        payload = packed[:, head:].contiguous()
-        if self.bits == 8:
-            codes = payload.view(torch.int8).to(torch.float32)
-        else:
-            low = (payload & 0x0F).to(torch.int16) - 8
-            high = (payload >> 4).to(torch.int16) - 8
-            codes = torch.stack([low, high], dim=2).reshape(rows, -1).to(torch.float32)
-        values = codes.reshape(rows * nb, self.block) * scale.unsqueeze(1)
-        if self.rotate:
-            values = hadamard_(values)
-        return values.reshape(rows, nb * self.block).narrow(1, 0, numel)
+        return self.encode_rows(x.reshape(1, -1)).view(-1)
 
     def decode(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        nb = self.blocks(numel)
-        head = nb * SCALE_BYTES
-        scale = packed.narrow(0, 0, head).view(torch.float32)
-        payload = packed.narrow(0, head, packed.numel() - head)
-        if self.bits == 8:
-            codes = payload.view(torch.int8).to(torch.float32)
-        else:
-            low = (payload & 0x0F).to(torch.int16) - 8
-            high = (payload >> 4).to(torch.int16) - 8
-            codes = torch.stack([low, high], dim=1).reshape(-1).to(torch.float32)
-        values = codes.view(nb, self.block) * scale.unsqueeze(1)
+        return self.decode_rows(packed.view(1, -1), numel).view(-1)
+
+    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``encode(x[r])``'s bytes."""
+        rows, n = x.shape
+        nb, width = self.blocks(n), self.block
+        flat, owned = x.to(torch.float32), x.dtype != torch.float32
+        if n != nb * width:
+            flat, owned = torch.cat([flat, flat.new_zeros(rows, nb * width - n)], dim=1), True
+        blocks = flat.reshape(rows * nb, width)
+        owned = owned or blocks.data_ptr() != x.data_ptr()
         if self.rotate:
-            values = hadamard_(values)
-        return values.reshape(-1).narrow(0, 0, numel)
+            blocks, owned = _rotate(blocks, owned), True
+        absmax = blocks.abs().amax(dim=1)
+        scale = absmax / self.qmax
+        scale = torch.where(torch.isfinite(absmax), scale, torch.full_like(scale, float("nan")))
+        safe = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+        codes = torch.div(blocks, safe.unsqueeze(1), out=blocks if owned else None)
+        codes.round_().clamp_(-self.qmax, self.qmax).nan_to_num_(0.0)
+        head = nb * SCALE_BYTES
+        out = torch.empty(rows, head + self.code_bytes(n), dtype=torch.uint8, device=x.device)
+        out[:, :head].copy_(scale.view(torch.uint8).view(rows, head))
+        payload = out[:, head:]
+        if self.bits == 8:
+            payload.view(torch.int8).copy_(codes.view(rows, -1))
+        else:
+            pairs = codes.view(rows, -1, 2)
+            payload.copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136))  # (lo + 8) | (hi + 8) << 4
+        return out
+
+    def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
+        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``decode(packed[r], numel)``'s bits."""
+        rows = packed.shape[0]
+        nb, width = self.blocks(numel), self.block
+        head = nb * SCALE_BYTES
+        heads = packed[:, :head].reshape(-1)  # a copy unless one row
+        if heads.storage_offset() % SCALE_BYTES:
+            heads = heads.clone()
+        scale = heads.view(torch.float32)
+        payload = packed[:, head:]
+        values = torch.empty(rows, nb * width, dtype=torch.float32, device=packed.device)
+        if self.bits == 8:
+            values.copy_(payload.view(torch.int8))
+        else:
+            nibbles = values.view(rows, -1, 2)
+            nibbles[..., 0].copy_((payload & 0x0F).add_(248).view(torch.int8))  # lo - 8, wrapped in uint8
+            nibbles[..., 1].copy_((payload >> 4).add_(248).view(torch.int8))
+        blocks = values.view(rows * nb, width).mul_(scale.unsqueeze(1))
+        if self.rotate:
+            blocks = _rotate(blocks, owned=True)
+        return blocks.view(rows, nb * width).narrow(1, 0, numel)
 
 
 @dataclass(frozen=True)

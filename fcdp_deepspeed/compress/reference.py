@@ -112,19 +112,55 @@ class ReferenceStore:
         asynchronously on the current stream (ordered after the last write, which ran on it too)."""
         return ref.slot if ref.placement is Placement.DEVICE else device.to_accel(ref.slot)
 
+    def on_accel_many(self, refs: list[Reference]) -> list[torch.Tensor]:
+        """:meth:`on_accel` of several references, each viewed ``(nodes, partition_numel)``: host slots that lie
+        together in one pool chunk (a module's parameters: neighbouring ``ds_id``) cross in one copy of their span."""
+        out = [r.slot if r.placement is Placement.DEVICE else None for r in refs]
+        chunks: dict[int, list[int]] = {}
+        for i, r in enumerate(refs):
+            if out[i] is None:
+                chunks.setdefault(id(r.slot._base) if r.slot._base is not None else -i - 1, []).append(i)
+        for group in chunks.values():
+            slots = [refs[i].slot for i in group]
+            low = min(t.storage_offset() for t in slots)
+            high = max(t.storage_offset() + t.numel() for t in slots)
+            chunk = slots[0]._base
+            if chunk is None or len(group) == 1 or high - low > 2 * sum(t.numel() for t in slots):
+                for i in group:  # one copy each
+                    out[i] = device.to_accel(refs[i].slot)
+                continue
+            span = device.to_accel(chunk.narrow(0, low - chunk.storage_offset(), high - low))
+            for i, t in zip(group, slots):
+                out[i] = span.narrow(0, t.storage_offset() - low, t.numel())
+        return [t.view(r.nodes, r.partition_numel) for t, r in zip(out, refs)]
+
+    def write_many(self, refs: list[Reference], values: list[torch.Tensor], *, lossy: bool) -> None:
+        """:meth:`write` of several references (``values[i]``: ``refs[i]``'s bundle), one event after all of them, the
+        accelerator slots in one ``_foreach_copy_``."""
+        if not refs:
+            return
+        with self._lock:
+            targets = [r.slot.view(r.nodes, r.partition_numel) for r in refs]
+            device_pairs = [(t, v) for r, t, v in zip(refs, targets, values)
+                            if r.placement is Placement.DEVICE and t.data_ptr() != v.data_ptr()]
+            if len(device_pairs) > 1 and hasattr(torch, "_foreach_copy_"):  # torch >= 2.1
+                torch._foreach_copy_([t for t, _ in device_pairs], [v for _, v in device_pairs])
+            else:
+                for t, v in device_pairs:
+                    t.copy_(v)
+            for r, t, v in zip(refs, targets, values):
+                if r.placement is not Placement.DEVICE:
+                    device.to_host(v, out=t)
+            ready = device.record_event()
+            for r in refs:
+                r.ready = ready
+                r.state, r.why, r.lossy, r.requires_grad = RefState.VALID, "", lossy, r.param.requires_grad
+
     def write(self, ref: Reference, values: torch.Tensor, *, lossy: bool) -> None:
         """The bundle just reconstructed (``values``: N x p on the accelerator) becomes the reference, on the
         current (gather) stream; host slots by an asynchronous copy into pinned memory. ``ref.ready`` is
         recorded after it, for host readers (checkpoint saves)."""
-        with self._lock:
-            target = ref.slot.view(ref.nodes, ref.partition_numel)
-            if ref.placement is Placement.DEVICE:
-                if target.data_ptr() != values.data_ptr():
-                    target.copy_(values)
-            else:
-                device.to_host(values, out=target)
-            ref.ready = device.record_event()
-            ref.state, ref.why, ref.lossy, ref.requires_grad = RefState.VALID, "", lossy, ref.param.requires_grad
+        self.write_many([ref], [values], lossy=lossy)
 
     def host_ready(self) -> None:
         """The host waits for every pending write into a slot (checkpoint saves and loads only)."""

@@ -54,6 +54,10 @@ ELEMENT_BYTES = 4
 SLOTS = 2
 
 
+#: [Note: batched residual reads] The compressed exchange reads the residuals of a whole bucket (or flush batch) at
+#: once: a host store copies the span of the bucket's slots to the accelerator in one copy per slot index when they are
+#: dense in the flat (buckets hold neighbouring parameters; at most twice the bytes they need), else one copy per
+#: parameter. Each parameter's values are those :meth:`ResidualStore.read` returns, loss-scale rescale included.
 #: [Note: residual copies] Host residual slots cross PCIe on FCDP's own stream, as the node gradient buffer's round
 #: trip does (grads/buffer.py), not on DeepSpeed's reduce stream, whose reduce-scatters would queue behind them. A
 #: write waits for an event after the value (reduce stream); a read's device copy is waited for by the reduce
@@ -83,6 +87,7 @@ class ResidualStore:
     scales: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of its committed residual
     pending: dict[int, float] = field(default_factory=dict)  # ds_id -> loss scale of this window's residual
     written: Any = None  # event after the last write of a host slot (checkpoint readers wait on it)
+    retired: list = field(default_factory=list)  # host allocations emptied by the move, with the copy's event
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def covers(self, ds_id: int) -> bool:
@@ -94,29 +99,61 @@ class ResidualStore:
 
     def read(self, ds_id: int, shape: tuple[int, int], loss_scale: float) -> Optional[torch.Tensor]:
         """The residual to add to this window's sum, on the accelerator (``None``: zero, nothing written yet)."""
+        return self.read_many([ds_id], [shape], loss_scale)[0]
+
+    def read_many(self, ds_ids: Sequence[int], shapes: Sequence[tuple[int, int]],
+                  loss_scale: float) -> list[Optional[torch.Tensor]]:
+        """The residuals to add to this window's sums of ``ds_ids``, on the accelerator (``None``: zero, nothing written
+        yet): each as :meth:`read` returns it, read in one go ([Note: batched residual reads])."""
         with self._lock:
-            first = ds_id not in self.pending
-            recorded = self.scales.get(ds_id) if first else self.pending[ds_id]
-            index = self.committed.get(ds_id, 0) ^ (0 if first else 1)
-        if recorded is None:
-            return None
-        slot = self._slot(ds_id, index).view(shape)
-        residual = _host_to_accel(slot) if self.device == "host" else slot
-        return residual * (loss_scale / recorded) if loss_scale != recorded else residual
+            where = []
+            for ds_id in ds_ids:
+                first = ds_id not in self.pending
+                recorded = self.scales.get(ds_id) if first else self.pending[ds_id]
+                where.append((recorded, self.committed.get(ds_id, 0) ^ (0 if first else 1)))
+        out: list[Optional[torch.Tensor]] = [None] * len(ds_ids)
+        for index in (0, 1):
+            mine = [i for i, (recorded, slot) in enumerate(where) if recorded is not None and slot == index]
+            if not mine:
+                continue
+            spans = [self.offsets[ds_ids[i]] for i in mine]
+            low, high = min(o for o, _ in spans), max(o + n for o, n in spans)
+            source, base = self.flats[index], 0
+            if self.device == "host" and high - low <= 2 * sum(n for _, n in spans):
+                source, base = _host_to_accel(source.narrow(0, low, high - low)), low  # one copy for the bucket
+            elif self.device == "host":
+                source = None  # scattered slots: one copy each, as read() does
+            for i, (offset, numel) in zip(mine, spans):
+                slot = (_host_to_accel(self.flats[index].narrow(0, offset, numel)) if source is None
+                        else source.narrow(0, offset - base, numel))
+                recorded = where[i][0]
+                residual = slot.view(shapes[i])
+                out[i] = residual * (loss_scale / recorded) if loss_scale != recorded else residual
+        return out
 
     def write(self, ds_id: int, value: torch.Tensor, loss_scale: float) -> None:
         """This window's new residual (accelerator ``value``) into the pending slot."""
+        self.write_many([ds_id], [value], loss_scale)
+
+    def write_many(self, ds_ids: Sequence[int], values: Sequence[torch.Tensor], loss_scale: float) -> None:
+        """This window's new residuals (accelerator ``values``) into their pending slots (then :meth:`writes_done`): one
+        event and one stream switch for all of them, one ``_foreach_copy_`` where the slots are accelerator memory."""
         with self._lock:
-            index = self.committed.get(ds_id, 0) ^ 1
-            self.pending[ds_id] = loss_scale
-        slot = self._slot(ds_id, index).view(value.shape)
+            indices = [self.committed.get(ds_id, 0) ^ 1 for ds_id in ds_ids]
+            for ds_id in ds_ids:
+                self.pending[ds_id] = loss_scale
+        slots = [self._slot(ds_id, index).view(v.shape) for ds_id, index, v in zip(ds_ids, indices, values)]
         if self.device == "host":
-            produced = device.record_event()  # on the reduce stream: the value exists
+            produced = device.record_event()  # on the reduce stream: the values exist
             with device.stream(device.side_stream(STREAM)):  # [Note: residual copies]
                 device.wait_event(produced)
-                device.to_host(value, out=slot)  # the door record_streams ``value`` on this stream
+                for slot, value in zip(slots, values):
+                    device.to_host(value, out=slot)  # the door record_streams ``value`` on this stream
+        elif len(slots) > 1 and hasattr(torch, "_foreach_copy_"):  # torch >= 2.1
+            torch._foreach_copy_(slots, list(values))
         else:
-            slot.copy_(value)
+            for slot, value in zip(slots, values):
+                slot.copy_(value)
 
     def writes_done(self) -> None:
         if self.device == "host":
@@ -172,6 +209,40 @@ class ResidualStore:
         return sum(0 if f is None else f.numel() * f.element_size() for f in self.flats)
 
 
+def move_residuals(store: ResidualStore, budget: int) -> int:
+    """``grad_buffer_device: device``, at the measured step ([Note: the device buffer comes from a measured step] in
+    ``grads/buffer.py``): both slots to the accelerator when they fit ``budget`` (one allocation, as planned), the
+    values copied on the current stream after the last write's event; the host allocation is dropped once that copy
+    completed (:func:`reap_residuals`). Returns the bytes moved."""
+    host = store.flats[0]
+    if store.device != "host" or host is None or host._base is None or store.nbytes > budget:
+        return 0
+    base = host._base
+    try:
+        faults.maybe_fail("alloc_residual_device")
+        moved = device.accel_empty(base.numel(), torch.float32)
+    except (RuntimeError, MemoryError, faults.InjectedFault):
+        return 0
+    device.wait_event(store.written)  # the residual stream's last copies into the host slots
+    device.to_accel(base, out=moved)
+    total = host.numel()
+    with store._lock:
+        store.flats, store.device, store.written = (moved.narrow(0, 0, total), moved.narrow(0, total, total)), "device", None
+        store.retired.append((base, device.record_event()))
+    reap_residuals(store)
+    return moved.numel() * moved.element_size()
+
+
+def reap_residuals(store: ResidualStore) -> None:
+    """Drop the host allocation the move emptied once its copy completed (non-blocking)."""
+    done = [(t, ev) for t, ev in store.retired if device.event_done(ev)]
+    if done:
+        store.retired = [(t, ev) for t, ev in store.retired if all(t is not d for d, _ in done)]
+        for t, _ in done:
+            device.drop_host(t)
+        del t, done
+
+
 def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, planner: BufferPlanner,
                    reserved_bytes: int, pin: bool) -> tuple[ResidualStore, int]:
     """Collective over the DP group: slots for a prefix (ds_id order) of ``params`` whose residuals fit what the
@@ -180,7 +251,7 @@ def plan_residuals(params: Sequence[torch.nn.Parameter], layout: ReduceLayout, p
     gradients cross nodes exact, one warning)."""
     params = sorted(params, key=lambda p: p.ds_id)
     numels = [(layout.nodes - 1) * chunk_numel(p.ds_numel, layout.dp_size) for p in params]  # the sent rows
-    on_device = planner.config.grad_buffer_device == "device"
+    on_device = planner.on_device()  # grad_buffer_device: device starts on the host, as the node buffer does
     # one allocation: a pinned one costs its power-of-two rounding (the node buffer's chunks do not, grads/buffer.py)
     budget = memory.pinned_capacity(max(0, planner.budget_bytes(on_device) - reserved_bytes),
                                     pin and not on_device and device.pins_host_memory())

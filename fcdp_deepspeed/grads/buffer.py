@@ -55,14 +55,30 @@ class NodeGradBuffer:
     offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # ds_id -> (offset in its chunk, numel)
     chunk_of: dict[int, int] = field(default_factory=dict)  # ds_id -> index into ``chunks``
     dirty: set[int] = field(default_factory=set)
-    device: str = "host"
+    placements: list[str] = field(default_factory=list)
+    """Where each chunk lives, ``"host"`` or ``"device"`` ([Note: the device buffer comes from a measured step])."""
     #: Event after the last round trip of host slots on the buffer's stream (``None``: none, or no streams).
     done: Any = None
+    #: Host chunks emptied by the move to the accelerator, each with the event after the last copy into it.
+    retired: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
 
     @property
     def flat(self) -> Optional[torch.Tensor]:
         """The first chunk (``None``: no buffer): where the buffer lives and whether it is pinned."""
         return self.chunks[0] if self.chunks else None
+
+    @property
+    def device(self) -> str:
+        """``"device"`` when every chunk is accelerator memory, else ``"host"`` (for messages; see the byte counts)."""
+        return "device" if self.placements and all(p == "device" for p in self.placements) else "host"
+
+    def placed_bytes(self, placement: str) -> int:
+        """Bytes of the chunks placed there (``"host"``: retired chunks not yet dropped included)."""
+        held = sum(c.numel() * c.element_size() for c, p in zip(self.chunks, self.placements) if p == placement)
+        return held + (sum(c.numel() * c.element_size() for c, _ in self.retired) if placement == "host" else 0)
+
+    def _on_device(self, ds_id: int) -> bool:
+        return self.placements[self.chunk_of[ds_id]] == "device"
 
     def slot(self, ds_id: int) -> Optional[torch.Tensor]:
         where = self.offsets.get(ds_id)
@@ -79,12 +95,17 @@ class NodeGradBuffer:
         behind the copies, and DeepSpeed's reduce backpressure (two events on the reduce stream) does not turn
         them into host stalls. Micro-steps stay in order on the one buffer stream; :meth:`take` waits on
         :attr:`done` before reading a slot."""
-        if self.device != "host":
-            for ds_id, cols in items:
+        host = [(ds_id, cols) for ds_id, cols in items if not self._on_device(ds_id)]
+        for ds_id, cols in items:
+            if self._on_device(ds_id):
                 slot = self.slot(ds_id).view_as(cols)
                 slot.add_(cols) if ds_id in self.dirty else slot.copy_(cols)
                 self.dirty.add(ds_id)
-            return
+        if host:
+            self._round_trip(host)
+
+    def _round_trip(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """The host slots' part of :meth:`accumulate` ([Note: host buffer round trip])."""
         sums = device.record_event()  # on the reduce stream: the node sums exist
         with device.stream(device.side_stream("grad_buffer")):
             partial = [device.to_accel(self.slot(i).view_as(c)) if i in self.dirty else None for i, c in items]
@@ -105,7 +126,52 @@ class NodeGradBuffer:
     def nbytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.chunks)
 
+    def move(self, budget: int) -> int:
+        """Move the host chunks that fit ``budget`` (in order, at the bytes their slots use) to the accelerator, at a
+        step boundary (the buffer holds no partial sum then: a new chunk starts zeroed, nothing is copied); the host
+        chunks wait in :attr:`retired` for the last round trip's copies. Returns the bytes moved."""
+        assert not self.dirty, "fcdp: the node gradient buffer moves only between windows"
+        used: dict[int, int] = {}
+        for ds_id, (offset, numel) in self.offsets.items():
+            index = self.chunk_of[ds_id]
+            used[index] = max(used.get(index, 0), offset + numel)
+        moved = 0
+        for index, (chunk, placement) in enumerate(zip(self.chunks, self.placements)):
+            nbytes = used.get(index, 0) * chunk.element_size()
+            if placement != "host" or moved + nbytes > budget:
+                break  # a prefix: the same parameters on the accelerator on every step
+            try:
+                faults.maybe_fail("alloc_gradbuf_device")
+                self.chunks[index] = device.accel_empty(used.get(index, 0), chunk.dtype).zero_()
+            except (RuntimeError, MemoryError, faults.InjectedFault):
+                break  # the rest stays on the host
+            self.placements[index] = "device"
+            self.retired.append((chunk, self.done))
+            moved += nbytes
+        self.reap()
+        return moved
 
+    def reap(self) -> None:
+        """Drop retired host chunks whose last copy has completed (non-blocking; [Note: deferred release] in
+        ``cache.py``)."""
+        done = [(c, ev) for c, ev in self.retired if device.event_done(ev)]
+        if done:
+            self.retired = [(c, ev) for c, ev in self.retired if all(c is not d for d, _ in done)]
+            for chunk, _ in done:
+                device.drop_host(chunk)
+            del chunk, done
+            device.empty_host_cache()
+
+
+#: [Note: the device buffer comes from a measured step] ``grad_buffer_device: device`` used to take
+#: ``grad_buffer_budget`` (25%) of the accelerator's free memory at engine build, before activations, prefetch
+#: buffers, the reduce buckets or NCCL's buffers existed: memory ZeRO-3 would have used for a larger batch. Like the
+#: cache's accelerator modes (``runtime/promotion.py``) the buffer now starts in pinned host memory and, at the step
+#: the cache measures (the first complete one), moves the chunks that fit ``grad_buffer_budget`` resolved against the
+#: headroom that step left (total minus the allocator's peak reserved memory, minus memory outside the allocator and
+#: a margin: ``memory.measured_device_headroom``), before the cache takes its share. Placement is per rank (no
+#: collective depends on it). A buffer planned after that step (the accumulation steps raised later) measures again
+#: when it is planned. The error-feedback residuals of ``grad_compression`` follow (``compress/residual.py``).
 #: [Note: buffer chunks] The buffer is carved into chunks of at most this size (a slot larger than it opens a
 #: chunk of its own), as the cache's pools are (``cache.CHUNK_BYTES``): a pinned allocation costs its power-of-two
 #: rounding, so one flat pinned buffer could hold only the largest power of two under its budget (as little as
@@ -153,6 +219,22 @@ class BufferPlanner:
         self.planned = False
         #: Resident bytes of every rank on this node (SLURM's per-node limit), from the runtime's planning.
         self.node_rss: Optional[int] = None
+        #: ``grad_buffer_device: device``: the accelerator bytes granted at the measured step (``None`` before it:
+        #: the buffer starts on the host), [Note: the device buffer comes from a measured step].
+        self.device_budget: Optional[int] = None
+
+    def on_device(self) -> bool:
+        """Whether a buffer planned now goes to accelerator memory: asked for, and a step was measured."""
+        return self.config.grad_buffer_device == "device" and self.device_budget is not None
+
+    def promote(self, headroom: int) -> int:
+        """At the measured step ([Note: the device buffer comes from a measured step]): ``grad_buffer_budget``
+        resolved against the accelerator ``headroom`` that step left (25% of it by default, never more than it), and
+        the buffer's host chunks that fit it moved there. Returns the bytes moved (what the cache may no longer take)."""
+        if self.config.grad_buffer_device != "device":
+            return 0
+        self.device_budget = min(headroom, self.config.grad_buffer_budget_spec.resolve(headroom, auto_fraction=0.25))
+        return self.buffer.move(self.device_budget) if self.buffer.chunks else 0
 
     def sizes(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list[int]]:
         params = sorted(params, key=lambda p: p.ds_id)
@@ -163,11 +245,11 @@ class BufferPlanner:
         smallest budget share of any rank (an agreed input of :func:`~fcdp_deepspeed.plan.resolve_grad_plan`)."""
         params, numels = self.sizes(params)
         self.trainable = params
-        on_device = self.config.grad_buffer_device == "device"
+        on_device = self.on_device()
         return BufferFit(need_bytes=memory.chunks_cost([n * self.accumulation_dtype.itemsize for n in numels],
                                                        CHUNK_BYTES, self.rounds(on_device)),
                          budget_bytes=self.agree_min(self.budget_bytes(on_device)),
-                         device="device" if on_device else "host")
+                         device=self.config.grad_buffer_device)
 
     def plan(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         """Collective over the DP group: reserve buffer slots for a prefix (ds_id order) of the trainable
@@ -179,7 +261,7 @@ class BufferPlanner:
         params, numels = self.sizes(self.trainable if params is None else params)
         self.params_by_id = {p.ds_id: p for p in params}
         itemsize = self.accumulation_dtype.itemsize
-        on_device = self.config.grad_buffer_device == "device"
+        on_device = self.on_device()
         budget = self.budget_bytes(on_device)
         sizes = [n * itemsize for n in numels]
         rounds = self.rounds(on_device)
@@ -196,7 +278,7 @@ class BufferPlanner:
                     self.buffer.chunk_of[params[i].ds_id] = index
                     offset += numels[i]
             self.buffer.chunks = chunks
-            self.buffer.device = "device" if on_device else "host"
+            self.buffer.placements = ["device" if on_device else "host"] * len(chunks)
         self.unbuffered_bytes = sum(numels[fits:]) * itemsize
         if fits < len(params) and dist.get_rank() == 0:
             from deepspeed.utils import logger
@@ -207,12 +289,15 @@ class BufferPlanner:
                            f"nodes on every micro-step instead. Raise {key} to buffer them.")
 
     def budget_bytes(self, on_device: bool) -> int:
-        """This rank's share: accelerator budget per rank, or the host budget per node (resolved against
-        ``memory.host_limit`` less its margin) split over its ranks. What the buffer's chunks cost, pinned
-        rounding included, must fit it ([Note: buffer chunks])."""
+        """This rank's share: accelerator budget per rank (after a measured step: :meth:`promote`), or the host
+        budget per node (resolved against ``memory.host_limit`` less its margin) split over its ranks. What the
+        buffer's chunks cost, pinned rounding included, must fit it ([Note: buffer chunks])."""
         spec = self.config.grad_buffer_budget_spec
-        if on_device:
-            return spec.resolve(get_accelerator().available_memory(), auto_fraction=0.25)
+        if on_device:  # planned after the measured step (accumulation steps raised later): measured again now
+            acc = get_accelerator()
+            headroom = memory.measured_device_headroom(acc.total_memory(), acc.max_memory_reserved(),
+                                                       acc.memory_reserved(), acc.available_memory())
+            return min(headroom, spec.resolve(headroom, auto_fraction=0.25))
         usable = memory.usable_host(memory.host_limit(used_bytes=self.node_rss))
         return min(spec.resolve(usable, auto_fraction=0.25), usable) // self.layout.per_node
 

@@ -126,8 +126,8 @@ class GradReducer(StagedDelivery):
     def stats(self) -> dict:
         c = self.counters
         return {
-            "grad_buffer_host_bytes": self.buffer.nbytes if self.buffer.device == "host" else 0,
-            "grad_buffer_device_bytes": self.buffer.nbytes if self.buffer.device == "device" else 0,
+            "grad_buffer_host_bytes": self.buffer.placed_bytes("host"),
+            "grad_buffer_device_bytes": self.buffer.placed_bytes("device"),
             "grad_buffer_params": len(self.buffer.offsets),
             "grad_unbuffered_bytes": self.planner.unbuffered_bytes,
             "grad_accumulated": c.accumulated,

@@ -13,8 +13,8 @@ Placement is per rank: which parameters are cached does not change, so no agreem
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
@@ -45,20 +45,31 @@ class Promotion:
     headroom: Optional[int] = None
     budget: Optional[int] = None
     moved_bytes: int = 0
+    #: Other holders of accelerator memory placed at the same measured step, before the cache: each is handed the
+    #: headroom and returns the bytes it took (the node gradient buffer and residuals, ``grad_buffer_device: device``,
+    #: [Note: the device buffer comes from a measured step] in ``grads/buffer.py``), and reaps what it emptied.
+    claims: list[Callable[[int], int]] = field(default_factory=list)
+    reapers: list[Callable[[], None]] = field(default_factory=list)
 
     def on_step_end(self) -> None:
         self.steps += 1
-        if self.config.cache_device in AUTO_FRACTION and not self.promoted and self.steps >= PROMOTE_STEP:
+        if (self.config.cache_device in AUTO_FRACTION or self.claims) and not self.promoted and self.steps >= PROMOTE_STEP:
             self.promoted = True
             self._promote()
         for pool in self.cache.pools.values():
             if pool is not None and pool.retired:
                 pool.reap()
+        for reap in self.reapers:
+            reap()
 
     def _promote(self) -> None:
         acc = get_accelerator()
         self.headroom = memory.measured_device_headroom(acc.total_memory(), acc.max_memory_reserved(),
                                                         acc.memory_reserved(), acc.available_memory())
+        for claim in self.claims:  # what they take was not in the measured peak: the cache may not take it again
+            self.headroom -= min(self.headroom, claim(self.headroom))
+        if self.config.cache_device not in AUTO_FRACTION:
+            return
         fraction = AUTO_FRACTION[self.config.cache_device]
         self.budget = min(self.headroom, self.config.device_budget_spec.resolve(self.headroom, auto_fraction=fraction))
         host = [e for e in self.cache.entries.values() if e.placement is Placement.HOST]

@@ -85,15 +85,15 @@ def _identity_codec(name: str, block: int) -> quant.Codec:
 
 
 def _decode_with_next_scale(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Broken: each block decoded with the scale of the next block."""
-    nb = self.blocks(numel)
+    """Broken: each block of each message decoded with the scale of the next block."""
+    head = self.blocks(numel) * quant.SCALE_BYTES
     fixed = packed.clone()
-    scales = fixed.narrow(0, 0, nb * quant.SCALE_BYTES).view(torch.float32)
-    scales.copy_(scales.roll(-1))
+    scales = fixed[:, :head].clone().view(torch.float32)
+    fixed[:, :head].copy_(scales.roll(-1, dims=1).view(torch.uint8))
     return _ORIGINAL_DECODE(self, fixed, numel)
 
 
-_ORIGINAL_DECODE = quant.BlockCodec.decode
+_ORIGINAL_DECODE = quant.BlockCodec.decode_rows
 
 
 @contextlib.contextmanager
@@ -109,10 +109,10 @@ def patched(kind: str):
         put(rcompression, "codec_for", _identity_codec)
         put(rcompression, "pays", lambda codec, numel, dtype: True)
     if kind == "identity_peer_order":  # messages decoded in the wrong peer order
-        put(cparams.ParamCompression, "message", staticmethod(
-            lambda packed, peer, stride, wire: packed.narrow(0, (packed.numel() // stride - 1 - peer) * stride, wire)))
+        put(cparams.ParamCompression, "messages", staticmethod(
+            lambda packed, nodes, stride, wire: packed.view(nodes, stride).flip(0).narrow(1, 0, wire)))
     if kind == "wrong_scale":
-        put(quant.BlockCodec, "decode", _decode_with_next_scale)
+        put(quant.BlockCodec, "decode_rows", _decode_with_next_scale)
     try:
         yield
     finally:

@@ -37,13 +37,6 @@ class WrongScale(IdentityCodec):
         return super().decode_rows(packed, numel) * (1 + 2**-6)
 
 
-class RowsReversed(IdentityCodec):
-    """Sends row q to peer N-1-q (the wrong row order)."""
-
-    def encode_rows(self, x):
-        return super().encode_rows(x).flip(0)
-
-
 class BlocksRolled(IdentityCodec):
     """Decodes each row's blocks in the wrong order (rolled by one block)."""
 
@@ -51,8 +44,7 @@ class BlocksRolled(IdentityCodec):
         return super().decode_rows(packed, numel).roll(self.block, dims=1)
 
 
-CODECS = {"identity": IdentityCodec, "wrong_scale": WrongScale, "rows_reversed": RowsReversed,
-          "blocks_rolled": BlocksRolled}
+CODECS = {"identity": IdentityCodec, "wrong_scale": WrongScale, "blocks_rolled": BlocksRolled}
 
 
 def _divided(issued: Inflight, factor: int) -> Inflight:
@@ -69,9 +61,17 @@ def sabotaged(kind: str) -> Iterator[None]:
         name, original = "exchange", cls.exchange
         saved = {name: original}
         cls.exchange = lambda self, sums, ids: _divided(original(self, sums, ids), self.layout.nodes)
+    elif kind == "rows_reversed":  # row q sent to peer N-1-q (the wrong row order; the codec encodes the sent rows only)
+        name, original = "encode_sent", compress_grads.encode_sent
+        saved = {name: original}
+
+        def reversed_rows(codec, x, me, exact_own):
+            packed, sent = original(codec, x, me, exact_own)
+            return packed.flip(0), sent
+        compress_grads.encode_sent = reversed_rows
     elif kind == "no_feedback":  # no error feedback: the residual is never added
-        saved = {"read": ResidualStore.read}
-        ResidualStore.read = lambda self, ds_id, shape, loss_scale: None
+        saved = {"read_many": ResidualStore.read_many}
+        ResidualStore.read_many = lambda self, ds_ids, shapes, loss_scale: [None] * len(ds_ids)
     elif kind == "commit_on_skip":  # an overflow-skipped step commits its residual anyway
         name, original = "discard", cls.discard
         saved = {name: original}
@@ -90,7 +90,7 @@ def sabotaged(kind: str) -> Iterator[None]:
         yield
     finally:
         for attr, fn in saved.items():
-            setattr(ResidualStore if attr == "read" else cls, attr, fn)
+            setattr(ResidualStore if attr == "read_many" else compress_grads if attr == "encode_sent" else cls, attr, fn)
         if kind == "discard_at_checkpoint":
             FCDPStage3.checkpoint_event_epilogue = original_epilogue
 

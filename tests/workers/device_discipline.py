@@ -54,13 +54,14 @@ def sabotage(kind: str) -> None:
 
         NodeCache._fill = _fill
     elif kind == "blocking_reference":  # the new reference's copy into pinned memory waited for on the host
-        original_write = ReferenceStore.write
+        original_write = ReferenceStore.write_many
 
-        def write(self, ref, values, *, lossy):
-            original_write(self, ref, values, lossy=lossy)
-            device.host_wait(ref.ready)
+        def write_many(self, refs, values, *, lossy):
+            original_write(self, refs, values, lossy=lossy)
+            for ref in refs:
+                device.host_wait(ref.ready)
 
-        ReferenceStore.write = write
+        ReferenceStore.write_many = write_many
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
