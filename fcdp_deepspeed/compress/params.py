@@ -23,6 +23,7 @@ Exact stage 1s of parameters with a reference slot seed their reference from the
 """
 from __future__ import annotations
 
+import itertools
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -89,6 +90,11 @@ class DriftMeter:
 
     def reset(self) -> None:
         self.values, self.count, self.ready = None, 0, None
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive pieces of ``sizes`` starts."""
+    return list(itertools.accumulate(sizes[:-1], initial=0)) if sizes else []
 
 
 @dataclass(eq=False)
@@ -175,9 +181,7 @@ class ParamCompression:
         sizes = [p.ds_tensor.ds_numel for p in params]
         valid = [max(0, min(n, p.ds_numel - self.dp_index * n)) for p, n in zip(params, sizes)]
         pads = [padded(n, codec.block) for n in sizes]
-        offsets = [0] * len(sizes)
-        for i in range(1, len(sizes)):
-            offsets[i] = offsets[i - 1] + sizes[i - 1]
+        offsets = _starts(sizes)
         total = sum(pads)
         rows = bundle.view(nodes, part)
         on_accel = self.store.on_accel_many(refs)  # (N, p) per parameter
@@ -199,10 +203,7 @@ class ParamCompression:
             dist.allgather_fn(packed, mine, group=group, async_op=False)  # ordered on the gather stream
         decoded = codec.decode_rows(self.messages(packed, nodes, stride, wire), total)  # (N, total) fp32
         if pads != sizes:  # drop each parameter's block padding: the bundle's layout
-            poffs = [0] * len(pads)
-            for i in range(1, len(pads)):
-                poffs[i] = poffs[i - 1] + pads[i - 1]
-            decoded = torch.cat([decoded.narrow(1, o, n) for o, n in zip(poffs, sizes)], dim=1)
+            decoded = torch.cat([decoded.narrow(1, o, n) for o, n in zip(_starts(pads), sizes)], dim=1)
         exact = rows[me].to(torch.float32, copy=True)  # before it is overwritten: the drift (a copy, also in fp32)
         torch.add(torch.cat(on_accel, dim=1), decoded.narrow(1, 0, part), out=rows)  # fp32 sums, cast to the dtype
         error = rows[me].float() - exact
