@@ -141,6 +141,7 @@ class RunAhead:
             total += nbytes
             flat, bundle, mine, part = self.gather.buffers(params)
             work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
+            timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
             with self._lock:
                 self.pending[key] = Pending(key, flat, bundle, part, work)
         self.counters.bump(pushed=len(self.pending), pushed_bytes=total)

@@ -158,7 +158,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         dist.barrier()
         c0, l0 = _uplink_counters(), LEDGER.totals.copy()
         stats0 = fcdp_deepspeed.get_stats(engine)
-        res = toy.train(engine, s.steps, hidden=s.hidden, seed=1)
+        clock, spans = getattr(engine.optimizer, "fcdp_clock", None), []
+        if clock is not None:
+            clock.events = []  # [Note: the trace] (timeline.py): the timed steps' spans, for the last step's picture
+        res = toy.train(engine, s.steps, hidden=s.hidden, seed=1, spans=spans)
         dist.barrier()
         c1 = _uplink_counters()
         counted = LEDGER.totals.minus(l0)
@@ -173,7 +176,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "step_times": res.step_times,
             "peak_mem": get_accelerator().max_memory_allocated(),
             "timeline": timeline.per_step(stats0, stats1, s.steps),
+            "trace": _last_step_trace(spans, clock.events if clock is not None else []),
         }
+        if clock is not None:
+            clock.events = None
         everyone: list = [None] * dist.get_world_size()
         ds_compat.all_gather_object(everyone, mine)
         step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
@@ -196,6 +202,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             # host seconds per step and phase (timeline.py): rank 0's, and the largest over the ranks
             "timeline_s": everyone[0]["timeline"],
             "timeline_max_s": {k: max(r["timeline"][k] for r in everyone) for k in everyone[0]["timeline"]},
+            "trace_last_step": _align_traces([r["trace"] for r in everyone]),
             "cache_hits": stats1["cache_hits"],
             "losses": warm.losses + res.losses,
             "params": sum(p.ds_numel for p in engine.module.parameters()),
@@ -216,6 +223,26 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
         gc.collect()
     return records
+
+
+def _last_step_trace(spans: list, events: list) -> dict:
+    """The last timed optimizer step of one rank: its ``train_step``, forward/backward/step calls and timeline
+    spans ([Note: the trace] in ``timeline.py``) that overlap it, in ``time.time()`` seconds."""
+    steps = [sp for sp in spans if sp[0] == "train_step"]
+    if not steps:
+        return {"spans": [], "events": []}
+    _, t0, t1 = steps[-1]
+    keep = lambda items: [[n, a, b] for n, a, b in items if b >= t0 and a <= t1]  # noqa: E731
+    return {"spans": keep(spans), "events": keep(events)}
+
+
+def _align_traces(traces: list[dict]) -> list[dict]:
+    """Every rank's last-step trace relative to the earliest start of that step on any rank (one wall clock:
+    the ranks share a machine), rounded to 0.1 ms."""
+    starts = [a for t in traces for n, a, _ in t["spans"] if n == "train_step"]
+    origin = min(starts) if starts else 0.0
+    shift = lambda items: [[n, round(a - origin, 4), round(b - origin, 4)] for n, a, b in items]  # noqa: E731
+    return [{"rank": i, "spans": shift(t["spans"]), "events": shift(t["events"])} for i, t in enumerate(traces)]
 
 
 def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
