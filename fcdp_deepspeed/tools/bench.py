@@ -61,6 +61,9 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
 ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", *COMPRESSED_ENGINES, *DILOCO_ENGINES)
+#: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
+#: before a change), interleaved with this one's engines in one run: a side-by-side before/after on one machine.
+BEFORE = "@before"
 
 
 @dataclass
@@ -90,6 +93,8 @@ class BenchSpec:
     fcdp_extra: dict = field(default_factory=dict)
     """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
+    before_src: str = ""
+    """The source tree (its ``fcdp_deepspeed`` package) that ``ENGINE@before`` engines run from."""
 
     def layout_list(self) -> list[tuple[int, int]]:
         return [tuple(int(x) for x in lay.split("x")) for lay in self.layouts] or [(self.nodes, self.ranks_per_node)]
@@ -331,11 +336,16 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
         for (nodes, per_node), rate, job, ga, rep, engine in tasks:
             where = f"{nodes}x{per_node}, " if len(layouts) > 1 else ""
             bar.update(f"{where}{_rate_label(rate)}, {job}, GA {ga}, {engine} (repeat {rep + 1}/{spec.repeats})")
-            one = asdict(spec) | {"engines": [engine], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
+            base, before = engine.removesuffix(BEFORE), engine.endswith(BEFORE)
+            one = asdict(spec) | {"engines": [base], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
                                   "layouts": []}
+            if before:  # the other checkout's rank_main takes the fields it knows
+                one = {k: v for k, v in one.items() if k != "before_src"}
             with EmulatedCluster(nodes, rate_mbit=rate or None, tag="b") as cluster:
                 record = run_local("fcdp_deepspeed.tools.bench:rank_main", nodes * per_node,
-                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
+                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster,
+                                   pythonpath=[spec.before_src] if before else [])[0][0]
+            record["engine"] = engine
             runs.setdefault((nodes, per_node, rate, job, ga, engine), []).append(record)
             # Raw records as they arrive, so a long sweep cut short keeps what it measured.
             with open(out_dir / "runs.jsonl", "a") as f:
@@ -546,8 +556,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="Mbit/s per node uplink, comma-separated, 0 = unlimited (default: 100,200,1000,10000,0)")
     ap.add_argument("--jobs", type=checks.choice_list(("full", "lora")), default=["full", "lora"],
                     help="comma-separated, of full, lora (default: full,lora)")
-    ap.add_argument("--engines", type=checks.choice_list(ALL_ENGINES), default=list(ENGINES),
-                    help=f"comma-separated, of {', '.join(ALL_ENGINES)} (default: {','.join(ENGINES)})")
+    ap.add_argument("--engines", type=checks.choice_list((*ALL_ENGINES, *(e + BEFORE for e in ALL_ENGINES))),
+                    default=list(ENGINES), help=f"comma-separated, of {', '.join(ALL_ENGINES)} (default: "
+                    f"{','.join(ENGINES)}); ENGINE{BEFORE} runs that engine from --before-src, in the same run")
+    ap.add_argument("--before-src", default="", help="a source tree with the fcdp_deepspeed package (e.g. "
+                    "`git archive COMMIT | tar -x -C DIR`) that the ENGINE@before engines run from")
     ap.add_argument("--nodes", type=checks.whole(2), default=2, help="emulated nodes")
     ap.add_argument("--ranks-per-node", type=checks.whole(1), default=2, help="ranks per emulated node")
     ap.add_argument("--layout", default="", help="NODESxRANKS layouts to sweep, e.g. 2x2,2x4,4x2 (overrides --nodes "
@@ -577,6 +590,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
     # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    if any(e.endswith(BEFORE) for e in args.engines) and not (Path(args.before_src) / "fcdp_deepspeed").is_dir():
+        ap.error(f"--engines ...{BEFORE}: --before-src must name a tree with the fcdp_deepspeed package")
     try:
         layouts = parse_layouts(args.layout)
     except ValueError as err:
@@ -586,7 +601,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      jobs=args.jobs, engines=args.engines, hidden=args.hidden, layers=args.layers,
                      lora_rank=args.lora_rank, micro_batch=args.micro_batch, grad_accums=args.grad_accum,
                      warmup=args.warmup, steps=args.steps, repeats=args.repeats, regime=args.regime,
-                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
+                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra),
+                     before_src=str(Path(args.before_src).resolve()) if args.before_src else "")
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         if args.preset:
