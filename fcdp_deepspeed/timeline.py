@@ -9,6 +9,12 @@ would add, and nothing here pretends to be it.
 
 Phases nest (a codec call inside a gradient's inter-node stage): each records its *exclusive* time, so the
 phases of a step add up to at most its wall time.
+
+[Note: the trace] While ``PhaseClock.events`` is a list (``fcdp bench`` turns it on for its timed steps), every
+timed block is also recorded as ``(phase, start, end)`` in ``time.time()`` seconds, and so is every asynchronous
+inter-node transfer registered with :func:`in_flight`, from its issue to its completion (a ``Work`` future's
+callback, gloo's worker thread): the wall clock is one clock for every process of a machine, so the ranks of an
+emulated cluster line up in one picture (``tools/timeline_plot.py``). Off (``None``) it costs nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -43,18 +49,30 @@ class Phase(enum.Enum):
     """Waiting for a run-ahead stage 1 (``fcdp.param_push``) at the fetch that uses it."""
 
 
+#: Names of the spans :func:`in_flight` records (not phases: nobody waits in them, the transfer runs beside the host).
+IN_FLIGHT_STAGE1 = "in_flight_stage1"
+
+
 @dataclass
 class PhaseClock:
     """One engine's seconds and calls per phase, since the engine was built. Thread-safe (backward threads)."""
 
     seconds: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    #: ``None`` (off), or every timed block and in-flight span as ``(name, start, end)``: [Note: the trace].
+    events: Optional[list] = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, phase: Phase, seconds: float) -> None:
         with self._lock:
             self.seconds[phase.value] += seconds
             self.calls[phase.value] += 1
+
+    def record(self, name: str, start: float, end: float) -> None:
+        """One span of the trace (``time.time()`` seconds); nothing when tracing is off."""
+        with self._lock:
+            if self.events is not None:
+                self.events.append((name, start, end))
 
     def stats(self) -> dict:
         with self._lock:
@@ -93,6 +111,7 @@ def waiting(phase: Phase, clock: Optional[PhaseClock] = None) -> Iterator[None]:
         yield
         return
     frame = [clock, phase, time.perf_counter(), 0.0]
+    wall = time.time() if clock.events is not None else 0.0
     stack.append(frame)
     try:
         yield
@@ -100,8 +119,21 @@ def waiting(phase: Phase, clock: Optional[PhaseClock] = None) -> Iterator[None]:
         stack.pop()
         elapsed = time.perf_counter() - frame[2]
         clock.add(phase, max(0.0, elapsed - frame[3]))
+        if wall:
+            clock.record(phase.value, wall, wall + elapsed)
         if stack:
             stack[-1][3] += elapsed
+
+
+def in_flight(clock: Optional[PhaseClock], name: str, work: Any) -> None:
+    """Trace an asynchronous transfer from now to its completion ([Note: the trace]); nothing when not tracing."""
+    if clock is None or clock.events is None or work is None:
+        return
+    start = time.time()
+    try:
+        work.get_future().add_done_callback(lambda _: clock.record(name, start, time.time()))
+    except (AttributeError, RuntimeError):  # a backend or work without a future: not traced
+        pass
 
 
 def per_step(before: dict, after: dict, steps: int) -> dict:

@@ -121,6 +121,19 @@ def test_batched_refill_of_small_misses():
         assert on["stats"]["batched_refills"] >= 2 and off["stats"]["batched_refills"] == 0
 
 
+def test_the_run_ahead_pushes_the_batch_and_uses_it():
+    """LoRA with ``param_push_bytes``: the step's end pushes the next window's batched refill as one group, and that
+    refill uses it: still one inter-node all-gather per step, no push left unused, the same values."""
+    for r in run_ranks("gather:batched", 4, timeout=600, runs=("pushed", "unbatched")):
+        on, off = r["pushed"], r["unbatched"]
+        assert on["losses"] == off["losses"] and torch.equal(on["eval"], off["eval"])
+        for key, w in off["weights"].items():
+            assert torch.equal(w, on["weights"][key]), key
+        assert on["allgathers_per_step"] == [1, 1], on["allgathers_per_step"]
+        s = on["stats"]
+        assert s["param_push_used"] >= 2 and s["param_push_unused"] == 0 and s["batched_refills"] >= 2, s
+
+
 def test_a_batch_that_skips_the_gather_fails():
     """Slots marked filled without gathering serve last step's adapters: verify raises."""
     with pytest.raises(Exception, match="differs from its plain ZeRO-3 gather"):

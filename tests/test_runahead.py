@@ -40,3 +40,12 @@ def test_a_push_that_skips_an_invalidation_is_stale(results):
     for r in results:
         assert r["skip_invalidation"]["losses"][:4] == r["plain"]["losses"][:4]  # before the load
         assert not torch.equal(r["skip_invalidation"]["out"], r["plain"]["out"])
+
+
+def test_with_deepspeed_s_prefetch_every_push_is_used():
+    """Default regime: the first window fetches module by module, the next ones prefetch the rest of the forward in
+    one coalesced fetch; both are gathered per module, so every push is used and the values are ZeRO-3's."""
+    for r in run_ranks("runahead:prefetch", 4):
+        assert r["fcdp"]["losses"] == r["plain"]["losses"]
+        s = r["fcdp"]["stats"]
+        assert s["param_push_used"] > 0 and s["param_push_unused"] == 0, s

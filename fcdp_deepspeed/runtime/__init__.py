@@ -44,7 +44,7 @@ from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pa
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.compression import build_compression
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
-from fcdp_deepspeed.runtime.gather import build_gather
+from fcdp_deepspeed.runtime.gather import build_gather, module_order
 from fcdp_deepspeed.runtime.invalidation import Invalidation
 from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
@@ -105,7 +105,7 @@ class FCDPRuntime:
         # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
         self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
         cache, topo = self.attachment.cache, self.attachment.topology
-        gather = build_gather(self.config, topo)
+        gather = build_gather(self.config, topo, self.clock)
         if topo.num_nodes > 1:  # before placement: NCCL's buffers exist when the cache is placed ([Note: why warm up])
             comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group if gather is not None else None})
         self.allocation = Allocation(self.config, self.dp_group, topo, cache)
@@ -115,6 +115,8 @@ class FCDPRuntime:
         self.promotion = Promotion(self.config, cache)
         warn_if_nothing_cached(self.attachment, self.allocation)
         self.param_gather = "flat" if gather is None else "hierarchical"
+        if gather is not None:
+            gather.owner = module_order(self.module)  # per-module gathers of a coalesced prefetch
         self.gather = gather
         self.compression, self.compression_state = build_compression(  # collective (slot agreement)
             self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
@@ -128,7 +130,7 @@ class FCDPRuntime:
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
-        self.runahead = build_runahead(self.config, gather, self.clock)
+        self.runahead = build_runahead(self.config, gather, self.clock, batcher)
         if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
             self.invalidation.listeners.append(self.runahead.cancel)
             for hook in self.attachment.hooks:

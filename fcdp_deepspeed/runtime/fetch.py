@@ -104,16 +104,16 @@ class _VerifyingHandle:
         self.handle = handle
         self.checks = checks
         self.empty = empty
-        self.done = False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.handle is not None:
             self.handle.wait(handle_dependency=handle_dependency)
-        if self.done:
-            return
-        self.done = True
         _materialize_empty(self.empty)
-        for name, param, reference, source in self.checks:
+        self.empty = []
+        # a per-module gather completes only the parts waited for now (gather.PerModuleHandle): check those
+        ready = [c for c in self.checks if c[1].ds_status is ZeroParamStatus.AVAILABLE]
+        self.checks = [c for c in self.checks if c[1].ds_status is not ZeroParamStatus.AVAILABLE]
+        for name, param, reference, source in ready:
             served = param.data.reshape(-1)
             expected = reference.narrow(0, 0, param.ds_numel).to(served.dtype)
             if not torch.equal(served, expected):
@@ -205,7 +205,7 @@ class FetchPath:
         handles, two_stage = [], []
         for part in split_fetch(params, self.gather, quantize):
             if part.route is Route.TWO_STAGE:
-                handles.append(self.gather.issue(part.params, safe_mode=safe_mode))
+                handles.append(self.gather.issue(part.params, safe_mode=safe_mode, per_module=True))
                 two_stage += part.params
                 continue
             if part.reason:

@@ -56,11 +56,12 @@ from deepspeed.runtime.zero.partition_parameters import (AllGatherCoalescedHandl
 from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, ds_compat
+from fcdp_deepspeed import device, ds_compat, timeline
 from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
-from fcdp_deepspeed.runtime.runahead import RunAhead
+from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
+from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
 from fcdp_deepspeed.topology import Topology, group_ranks
 
 
@@ -90,6 +91,10 @@ class HierarchicalGather:
     stepped: Any = None
     #: ``fcdp.param_push_bytes``: stage 1 issued ahead at the step's end (``runahead.py``); ``None``: off.
     runahead: Optional[RunAhead] = None
+    #: Without streams: the deferred stage 2s, issued in FIFO order at the waits (``sequencer.py``).
+    queue: Optional[StageTwo] = None
+    #: ``ds_id`` -> index of the module that owns the parameter (:func:`module_order`), for per-module gathers.
+    owner: dict = field(default_factory=dict)
     _same_group: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -118,21 +123,30 @@ class HierarchicalGather:
                 return "not partitioned"  # DeepSpeed raises its own error for this
         return ""
 
-    def issue(self, params: Sequence[torch.nn.Parameter], safe_mode: bool = False) -> MultipleAllGatherHandles:
-        """Start the two-stage gather of ``params`` (all NOT_AVAILABLE misses of the engine's DP group)."""
+    def issue(self, params: Sequence[torch.nn.Parameter], safe_mode: bool = False, per_module: bool = False) -> Any:
+        """Start the two-stage gather of ``params`` (all NOT_AVAILABLE misses of the engine's DP group); with
+        ``per_module``, one gather per owning module ([Note: a coalesced prefetch, gathered per module])."""
         params = sorted(params, key=lambda p: p.ds_id)  # same order on every rank, as DeepSpeed
         if safe_mode:
             assert_ints_same_as_other_ranks([p.ds_id for p in params])
             assert_ints_same_as_other_ranks([p.ds_tensor.ds_numel for p in params])
-        by_dtype: dict[torch.dtype, list] = {}
-        for p in params:
-            by_dtype.setdefault(p.ds_tensor.dtype, []).append(p)
-        handles = []
-        for dtype in sorted(by_dtype, key=str):
-            # exact and compressed parameters are separate collectives, in this order (agreed: [Note: references])
-            exact, compressed = self.compression.split(by_dtype[dtype]) if self.compression else (by_dtype[dtype], [])
-            handles += [self._issue_one(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
-        return MultipleAllGatherHandles(handles)
+        parts = [(self._issue_one(group, lossy), group) for group, lossy in self.issue_groups(params, per_module)]
+        if per_module and len(parts) > 1:
+            return PerModuleHandle(parts)
+        return MultipleAllGatherHandles([handle for handle, _ in parts])
+
+    def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False) -> list[tuple[list, bool]]:
+        """The gathers :meth:`issue` makes of ``params`` (``ds_id`` ascending), in order, with whether each is
+        compressed: per owning module (``per_module``: in module order), then per dtype, exact before compressed
+        (agreed: [Note: references]). The run-ahead pushes exactly these groups (``runahead.py``)."""
+        by_key: dict[tuple, list] = {}
+        for p in sorted(params, key=lambda q: q.ds_id):
+            by_key.setdefault((self.owner.get(p.ds_id, -1) if per_module else 0, str(p.ds_tensor.dtype)), []).append(p)
+        out = []
+        for key in sorted(by_key):
+            exact, compressed = self.compression.split(by_key[key]) if self.compression else (by_key[key], [])
+            out += [(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
+        return out
 
     def lossy(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
@@ -165,34 +179,85 @@ class HierarchicalGather:
             runahead.record(params)
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
-        if pending is not None:
-            flat, bundle, part = pending.flat, pending.bundle, pending.part
-            stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+        if pending is not None:  # stage 1 pushed at the step's end; the queue waits for it (runahead.py)
+            flat, part = pending.flat, pending.part
+            stage2 = self.queue.add(flat, pending.bundle, pending.work, pushed=True, early=push_broken("read_early"))
+        elif self.queue is not None:  # no streams: [Note: stage 1 does not block the host] (sequencer.py)
+            flat, bundle, mine, part = self.buffers(params)
+            stage2 = self.queue.add(flat, bundle, self._stage1(params, bundle, mine, part, lossy, async_op=True))
         else:
             flat, bundle, mine, part = self.buffers(params)
             issuing = device.current_stream()
             with device.stream(self.stream):  # [Note: streams]
                 device.wait_stream(issuing)  # the partition copies above
                 device.record_stream(flat)  # allocated on the issuing stream, written on this one
-                if lossy:
-                    self.compression.stage1(params, bundle, part, self.peer_group)
-                else:
-                    self._exact_stage1(params, bundle, mine, part)
+                self._stage1(params, bundle, mine, part, lossy, async_op=False)  # ordered by the stream
                 stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(self.layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=self.layout.dp_size)
 
-    def _exact_stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int) -> None:
-        if self.compression is None:
-            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)  # ordered by the stream
-            return
-        with self.compression.exact_stage():
-            dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)
-        self.compression.seed(params, bundle, part)
+    def _stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, lossy: bool,
+                async_op: bool) -> Any:
+        """Stage 1 into ``bundle``: its work when asynchronous and exact, else ``None`` (complete, or ordered by
+        the stream). With ``fcdp.param_compression`` it stays synchronous: the codec reads its output at once."""
+        if lossy:
+            self.compression.stage1(params, bundle, part, self.peer_group)
+            return None
+        if self.compression is not None:
+            with self.compression.exact_stage():
+                dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)
+            self.compression.seed(params, bundle, part)
+            return None
+        stage1_delay()  # test-only skew (FCDP_STAGE1_DELAY)
+        work = dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=async_op)
+        if not async_op:
+            return None
+        timeline.in_flight(self.queue.clock, timeline.IN_FLIGHT_STAGE1, work)
+        return work
 
 
-def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGather]:
+class PerModuleHandle:
+    """[Note: a coalesced prefetch, gathered per module]
+    DeepSpeed's prefetch takes the parameters of the next modules, up to ``stage3_prefetch_bucket_size`` elements,
+    into one ``all_gather_coalesced`` call and registers its one handle for every parameter (``PPC:484,613``): with
+    its default 5e7 a small model's whole forward is one fetch, and the first module waited for every module's
+    transfer. FCDP issues such a fetch as one two-stage gather per owning module (in module order, so that the
+    first module's crosses first), and this handle's ``wait`` completes only the parts DeepSpeed is waiting for:
+    the coordinator adds the module it fetches to each parameter's ``ds_active_sub_modules`` just before waiting
+    that parameter's handle (0.19.8 ``PPC:393-406``), so the parts with an in-flight parameter of an active module
+    are the ones needed now; when none is (a release of everything, another caller), every part is waited.
+    Waiting more is always correct; a parameter left in flight would fail DeepSpeed's own AVAILABLE assertion.
+    The same per-module groups are what the run-ahead pushes, whatever the prefetch setting, so a push made after
+    a window without prefetch is used by a window with it and the other way round."""
+
+    def __init__(self, parts: list[tuple[Any, list]]) -> None:
+        self.parts = parts
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        left = [(h, ps) for h, ps in self.parts if not h.complete]
+        needed = [(h, ps) for h, ps in left
+                  if any(p.ds_status is ZeroParamStatus.INFLIGHT and p.ds_active_sub_modules for p in ps)]
+        for handle, _ in needed or left:
+            handle.wait(handle_dependency=handle_dependency)
+
+    @property
+    def complete(self) -> bool:
+        return all(h.complete for h, _ in self.parts)
+
+
+def module_order(module: torch.nn.Module) -> dict[int, int]:
+    """``ds_id`` -> index (in ``module.modules()`` order, identical on every rank) of the first module that owns it."""
+    out: dict[int, int] = {}
+    for i, m in enumerate(module.modules()):
+        for p in m.parameters(recurse=False):
+            if hasattr(p, "ds_id"):
+                out.setdefault(p.ds_id, i)
+    return out
+
+
+def build_gather(config: FCDPConfig, topo: Topology,
+                 clock: Optional[timeline.PhaseClock] = None) -> Optional[HierarchicalGather]:
     """The engine's miss gather, ``None`` for the flat ring; no collective (the topology created every
     group, [Note: groups from the global layout]). Logs the resolved mode once per engine (rank 0)."""
     mode = config.resolved_param_gather(topo.num_nodes, topo.ranks_per_node)
@@ -203,5 +268,6 @@ def build_gather(config: FCDPConfig, topo: Topology) -> Optional[HierarchicalGat
         return None
     layout = build_layout(topo.dp_ranks, dict(enumerate(topo.node_of_rank)), dist.get_rank())
     assert layout.peer_ranks == topo.peer_ranks and layout.node_ranks == topo.node_ranks, (layout, topo)
+    stream = device.side_stream("gather")
     return HierarchicalGather(layout, tuple(topo.dp_ranks), topo.group, topo.peer_group, slot_of_rank(layout),
-                              stream=device.side_stream("gather"))
+                              stream=stream, queue=StageTwo(topo.group, clock) if stream is None else None)

@@ -64,6 +64,13 @@ class MissBatcher:
         if self.max_bytes <= 0 or self.cache.generation == self._decided:
             return []
         self._decided = self.cache.generation
+        return self.plan()
+
+    def plan(self) -> list[torch.nn.Parameter]:
+        """What :meth:`batch` would refill at the next miss of this cache generation (no decision taken; the
+        run-ahead pushes exactly this batch at a step's end, ``runahead.py``)."""
+        if self.max_bytes <= 0:
+            return []
         entries = sorted((e for e in self.cache.entries.values() if e.slot is not None), key=lambda e: e.param.ds_id)
         cached = sum(_full_bytes(e.param) for e in entries)
         limit = min(self.max_bytes, cached // 4)  # a small part of the model changed, as in PEFT

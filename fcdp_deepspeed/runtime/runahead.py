@@ -2,25 +2,32 @@
 
 [Note: the slow hop runs ahead]
 After a step every trainable parameter is a miss at its next fetch, and stage 1 of the two-stage gather (the
-inter-node all-gather among node peers, ``gather.py``) used to run inside that fetch, on the host on gloo,
-before the compute it could have overlapped. The partitions it sends (``ds_tensor``) are final once the step
-wrote them, so each rank issues stage 1 of every group the last window gathered in two stages, in the order it
-gathered them, asynchronously, right at the end of the step (``_post_step``, after the step's invalidation):
-the transfers cross while the host finishes the step, loads data and runs the forward's earlier modules. A
-fetch whose parameters (same ``ds_id`` set) have a pending stage 1 waits for that work (``push_wait`` in the
-timeline) and issues stage 2 (inside the node) from its buffer as before; anything else takes the normal path.
+inter-node all-gather among node peers, ``gather.py``) used to run inside that fetch, before the compute it
+could have overlapped. The partitions it sends (``ds_tensor``) are final once the step wrote them, so each rank
+issues stage 1 of every group the next window will gather in two stages, in order, asynchronously, right at
+the end of the step (``_post_step``, after the step's invalidation): the transfers cross while the host
+finishes the step, loads data and runs the forward's earlier modules. A fetch of exactly a pending group's
+parameters takes it (:meth:`RunAhead.take`): its stage 2 waits for that work in the gather's queue
+(``sequencer.py``; ``push_wait`` in the timeline); anything else takes the normal path.
+
+[Note: what is pushed] The groups the last window gathered in two stages (each one module's parameters of one
+dtype: ``gather.issue_groups``, also for DeepSpeed's coalesced prefetch, ``gather.PerModuleHandle``), in their
+order; when the batched refill (``refill.py``) will refill the stale parameters at the next miss, that batch is
+pushed as one group instead (and the trace's groups without its parameters): the batch is what the next window
+gathers, and a push in any other grouping crossed the nodes for nothing, the refill's own stage 1 crossing again
+(``param_push_unused`` counts what no fetch took; ``tests/test_gather.py`` requires none under LoRA).
 
 Correctness:
-- *never read before complete*: stage 2 reads the bundle only after ``Work.wait`` of its stage 1
+- *never read before complete*: stage 2 reads the bundle only after ``Work.wait`` of its stage 1 (the queue)
   (``FCDP_BREAK_PUSH=read_early`` skips that wait: a test must then see wrong values);
 - *never read stale*: every invalidation event (``runtime/invalidation.py``'s three, and
   ``partition(has_been_updated=True)``) cancels the pending groups of the parameters it names before anything
   can read them (``FCDP_BREAK_PUSH=skip_invalidation`` ignores them: a test must see a stale value);
 - *agreement*: the trace is the sequence of two-stage gathers, identical on every rank (issued collectively,
-  in ``ds_id`` order); pushes happen at the same logical point (the step's end) and a pending group is used
-  only by a fetch of exactly its parameters, which every rank makes at the same point. The hit/miss decision is
-  unchanged (a pushed parameter is still a miss; its fill on release is the normal one). Cancelling waits for
-  the work (every rank issued it) and issues nothing.
+  in ``ds_id`` order), the batch is decided from the cache's agreed state; pushes happen at the same logical
+  point (the step's end) and a pending group is used only by a fetch of exactly its parameters, which every
+  rank makes at the same point. The hit/miss decision is unchanged (a pushed parameter is still a miss; its
+  fill on release is the normal one). Cancelling waits for the work (every rank issued it) and issues nothing.
 
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
 together (the host budget of the run-ahead; 0 turns it off). Host-communication backends only (gloo): on an
@@ -73,7 +80,9 @@ class RunAheadCounters(EventCounters):
     used: int = 0
     """Pushed groups a fetch used."""
     cancelled: int = 0
-    """Pushed groups dropped unused (an invalidation, a changed fetch pattern, the next push)."""
+    """Pushed groups an invalidation dropped (their values changed: the fetch crosses again, exactly)."""
+    unused: int = 0
+    """Pushed groups no fetch took before the next push (a changed fetch pattern: bytes crossed for nothing)."""
     pushed_bytes: int = 0
 
 
@@ -95,12 +104,12 @@ class RunAhead:
     gather: Any  # HierarchicalGather (not imported: gather.py imports this module)
     max_bytes: int
     clock: Optional[timeline.PhaseClock] = None
+    #: The engine's batched refill (``refill.py``): a batch it will make is pushed as one group.
+    batcher: Any = None
     counters: RunAheadCounters = field(default_factory=RunAheadCounters)
     #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params.
     trace: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)
-    #: Broken variant only: groups read before completion, kept alive until their work completes.
-    _unwaited: list = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def record(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -109,29 +118,38 @@ class RunAhead:
             self.trace.append((tuple(p.ds_id for p in params), list(params)))
 
     def take(self, params: Sequence[torch.nn.Parameter]) -> Optional[Pending]:
-        """The pending stage 1 of exactly ``params``, complete (its work waited), or ``None``."""
+        """The pending stage 1 of exactly ``params`` (still in flight: the gather's queue waits for it before
+        its stage 2, ``sequencer.py``), or ``None``."""
         with self._lock:
             pending = self.pending.pop(tuple(p.ds_id for p in params), None)
-        if pending is None:
-            return None
-        if push_broken("read_early"):
-            self._unwaited.append(pending)  # test-only: stage 2 reads a bundle still being received
-        else:
-            with timeline.waiting(timeline.Phase.PUSH_WAIT, self.clock):
-                pending.work.wait()
-        self.counters.bump(used=1)
+        if pending is not None:
+            self.counters.bump(used=1)
         return pending
 
+    def plan(self, trace: list) -> list[list]:
+        """The groups the next window will gather in two stages, in order ([Note: what is pushed])."""
+        batch = self.batcher.plan() if self.batcher is not None else []
+        groups = [group for group, lossy in self.gather.issue_groups(batch) if not lossy] if batch else []
+        batched = {p.ds_id for p in batch}
+        for _, params in trace:
+            rest = [p for p in params if p.ds_id not in batched]
+            if len(rest) == len(params):
+                groups.append(params)
+            elif rest:  # the batch's parameters are hits after the refill: the module's fetch gathers the rest
+                groups += [group for group, lossy in self.gather.issue_groups(rest, per_module=True) if not lossy]
+        return groups
+
     def push(self) -> None:
-        """At a step's end, after its invalidation: stage 1 of the last window's groups, in their order."""
-        self.cancel(None)
+        """At a step's end, after its invalidation: stage 1 of the next window's groups (:meth:`plan`), in order."""
+        self.cancel(None, unused=True)
         with self._lock:
             trace, self.trace = self.trace, []
         delay = _push_delay()
         if delay:
             time.sleep(delay)  # test-only skew (FCDP_PUSH_DELAY)
         total = 0
-        for key, params in trace:
+        for params in self.plan(trace):
+            key = tuple(p.ds_id for p in params)
             if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
                                               p.ds_secondary_tensor is None for p in params):
                 continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
@@ -141,12 +159,14 @@ class RunAhead:
             total += nbytes
             flat, bundle, mine, part = self.gather.buffers(params)
             work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
+            timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
             with self._lock:
                 self.pending[key] = Pending(key, flat, bundle, part, work)
         self.counters.bump(pushed=len(self.pending), pushed_bytes=total)
 
-    def cancel(self, params: Optional[Iterable[torch.nn.Parameter]]) -> None:
-        """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any."""
+    def cancel(self, params: Optional[Iterable[torch.nn.Parameter]], unused: bool = False) -> None:
+        """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any.
+        ``unused``: the next push drops what no fetch took (counted: bytes that crossed for nothing)."""
         if params is not None and push_broken("skip_invalidation"):
             return  # test-only: a push that survives an invalidation
         with self._lock:
@@ -157,11 +177,9 @@ class RunAhead:
                 dropped = [v for k, v in self.pending.items() if ids.intersection(k)]
                 for v in dropped:
                     del self.pending[v.key]
-            dropped += self._unwaited
-            self._unwaited = []
         for pending in dropped:  # every rank issued it: completes; nothing new is issued
             pending.work.wait()
-        self.counters.bump(cancelled=len(dropped))
+        self.counters.bump(**{"unused" if unused else "cancelled": len(dropped)})
 
     def on_partition(self, param: torch.nn.Parameter, has_been_updated: bool) -> None:
         """``partition(has_been_updated=True)`` (``GatheredParameters`` edits): the partition changed."""
@@ -171,12 +189,14 @@ class RunAhead:
     def stats(self) -> dict:
         c = self.counters
         return {"param_push_groups": c.pushed, "param_push_used": c.used, "param_push_cancelled": c.cancelled,
+                "param_push_unused": c.unused,
                 "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
 
 
-def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock]) -> Optional[RunAhead]:
+def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock],
+                   batcher: Any = None) -> Optional[RunAhead]:
     """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead])."""
-    if gather is None or gather.stream is not None or gather.compression is not None or not config.param_push_bytes:
+    if gather is None or gather.queue is None or gather.compression is not None or not config.param_push_bytes:
         return None
-    gather.runahead = RunAhead(gather, config.param_push_bytes, clock)
+    gather.runahead = RunAhead(gather, config.param_push_bytes, clock, batcher=batcher)
     return gather.runahead

@@ -65,6 +65,9 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench_compression.py``).
 ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
+#: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
+#: before a change), interleaved with this one's engines in one run: a side-by-side before/after on one machine.
+BEFORE = "@before"
 
 
 @dataclass
@@ -94,6 +97,8 @@ class BenchSpec:
     fcdp_extra: dict = field(default_factory=dict)
     """More ``fcdp`` keys for every FCDP engine (``--fcdp-extra '{"param_refresh_interval": 0}'``), after the engine's own."""
     timeout_s: float = 900
+    before_src: str = ""
+    """The source tree (its ``fcdp_deepspeed`` package) that ``ENGINE@before`` engines run from."""
 
     def layout_list(self) -> list[tuple[int, int]]:
         return [tuple(int(x) for x in lay.split("x")) for lay in self.layouts] or [(self.nodes, self.ranks_per_node)]
@@ -162,7 +167,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         dist.barrier()
         c0, l0 = _uplink_counters(), LEDGER.totals.copy()
         stats0 = fcdp_deepspeed.get_stats(engine)
-        res = toy.train(engine, s.steps, hidden=s.hidden, seed=1)
+        clock, spans = getattr(engine.optimizer, "fcdp_clock", None), []
+        if clock is not None:
+            clock.events = []  # [Note: the trace] (timeline.py): the timed steps' spans, for the last step's picture
+        res = toy.train(engine, s.steps, hidden=s.hidden, seed=1, spans=spans)
         dist.barrier()
         c1 = _uplink_counters()
         counted = LEDGER.totals.minus(l0)
@@ -177,7 +185,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "step_times": res.step_times,
             "peak_mem": get_accelerator().max_memory_allocated(),
             "timeline": timeline.per_step(stats0, stats1, s.steps),
+            "trace": _last_step_trace(spans, clock.events if clock is not None else []),
         }
+        if clock is not None:
+            clock.events = None
         everyone: list = [None] * dist.get_world_size()
         ds_compat.all_gather_object(everyone, mine)
         step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]  # slowest rank
@@ -200,6 +211,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             # host seconds per step and phase (timeline.py): rank 0's, and the largest over the ranks
             "timeline_s": everyone[0]["timeline"],
             "timeline_max_s": {k: max(r["timeline"][k] for r in everyone) for k in everyone[0]["timeline"]},
+            "trace_last_step": _align_traces([r["trace"] for r in everyone]),
             "cache_hits": stats1["cache_hits"],
             "losses": warm.losses + res.losses,
             "params": sum(p.ds_numel for p in engine.module.parameters()),
@@ -220,6 +232,26 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ's group is process-global in DeepSpeed
         gc.collect()
     return records
+
+
+def _last_step_trace(spans: list, events: list) -> dict:
+    """The last timed optimizer step of one rank: its ``train_step``, forward/backward/step calls and timeline
+    spans ([Note: the trace] in ``timeline.py``) that overlap it, in ``time.time()`` seconds."""
+    steps = [sp for sp in spans if sp[0] == "train_step"]
+    if not steps:
+        return {"spans": [], "events": []}
+    _, t0, t1 = steps[-1]
+    keep = lambda items: [[n, a, b] for n, a, b in items if b >= t0 and a <= t1]  # noqa: E731
+    return {"spans": keep(spans), "events": keep(events)}
+
+
+def _align_traces(traces: list[dict]) -> list[dict]:
+    """Every rank's last-step trace relative to the earliest start of that step on any rank (one wall clock:
+    the ranks share a machine), rounded to 0.1 ms."""
+    starts = [a for t in traces for n, a, _ in t["spans"] if n == "train_step"]
+    origin = min(starts) if starts else 0.0
+    shift = lambda items: [[n, round(a - origin, 4), round(b - origin, 4)] for n, a, b in items]  # noqa: E731
+    return [{"rank": i, "spans": shift(t["spans"]), "events": shift(t["events"])} for i, t in enumerate(traces)]
 
 
 def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
@@ -308,11 +340,16 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
         for (nodes, per_node), rate, job, ga, rep, engine in tasks:
             where = f"{nodes}x{per_node}, " if len(layouts) > 1 else ""
             bar.update(f"{where}{_rate_label(rate)}, {job}, GA {ga}, {engine} (repeat {rep + 1}/{spec.repeats})")
-            one = asdict(spec) | {"engines": [engine], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
+            base, before = engine.removesuffix(BEFORE), engine.endswith(BEFORE)
+            one = asdict(spec) | {"engines": [base], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
                                   "layouts": []}
+            if before:  # the other checkout's rank_main takes the fields it knows
+                one = {k: v for k, v in one.items() if k != "before_src"}
             with EmulatedCluster(nodes, rate_mbit=rate or None, tag="b") as cluster:
                 record = run_local("fcdp_deepspeed.tools.bench:rank_main", nodes * per_node,
-                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster)[0][0]
+                                   {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster,
+                                   pythonpath=[spec.before_src] if before else [])[0][0]
+            record["engine"] = engine
             runs.setdefault((nodes, per_node, rate, job, ga, engine), []).append(record)
             # Raw records as they arrive, so a long sweep cut short keeps what it measured.
             with open(out_dir / "runs.jsonl", "a") as f:
@@ -523,8 +560,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="Mbit/s per node uplink, comma-separated, 0 = unlimited (default: 100,200,1000,10000,0)")
     ap.add_argument("--jobs", type=checks.choice_list(("full", "lora")), default=["full", "lora"],
                     help="comma-separated, of full, lora (default: full,lora)")
-    ap.add_argument("--engines", type=checks.choice_list(ALL_ENGINES), default=list(ENGINES),
-                    help=f"comma-separated, of {', '.join(ALL_ENGINES)} (default: {','.join(ENGINES)})")
+    ap.add_argument("--engines", type=checks.choice_list((*ALL_ENGINES, *(e + BEFORE for e in ALL_ENGINES))),
+                    default=list(ENGINES), help=f"comma-separated, of {', '.join(ALL_ENGINES)} (default: "
+                    f"{','.join(ENGINES)}); ENGINE{BEFORE} runs that engine from --before-src, in the same run")
+    ap.add_argument("--before-src", default="", help="a source tree with the fcdp_deepspeed package (e.g. "
+                    "`git archive COMMIT | tar -x -C DIR`) that the ENGINE@before engines run from")
     ap.add_argument("--nodes", type=checks.whole(2), default=2, help="emulated nodes")
     ap.add_argument("--ranks-per-node", type=checks.whole(1), default=2, help="ranks per emulated node")
     ap.add_argument("--layout", default="", help="NODESxRANKS layouts to sweep, e.g. 2x2,2x4,4x2 (overrides --nodes "
@@ -554,6 +594,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
     # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    if any(e.endswith(BEFORE) for e in args.engines) and not (Path(args.before_src) / "fcdp_deepspeed").is_dir():
+        ap.error(f"--engines ...{BEFORE}: --before-src must name a tree with the fcdp_deepspeed package")
     try:
         layouts = parse_layouts(args.layout)
     except ValueError as err:
@@ -563,7 +605,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      jobs=args.jobs, engines=args.engines, hidden=args.hidden, layers=args.layers,
                      lora_rank=args.lora_rank, micro_batch=args.micro_batch, grad_accums=args.grad_accum,
                      warmup=args.warmup, steps=args.steps, repeats=args.repeats, regime=args.regime,
-                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra))
+                     param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra),
+                     before_src=str(Path(args.before_src).resolve()) if args.before_src else "")
     from fcdp_deepspeed.tools.cluster import ClusterUnavailable
     try:
         if args.preset:

@@ -77,13 +77,87 @@ def plot(rows: list[dict], path: Path, rate: float, title: Optional[str] = None)
     plt.close(fig)
 
 
+#: The calls of the training loop drawn under each rank's waits (``toy.train``'s spans), light.
+CALLS = (("forward", "tab:green"), ("backward", "tab:olive"), ("step", "tab:orange"))
+
+
+def gantt_rows(row: dict) -> list[dict]:
+    """Per rank of ``row``'s ``trace_last_step``: the calls (forward/backward/step), the waits by phase and the
+    asynchronous inter-node transfers in flight ([Note: the trace] in ``fcdp_deepspeed/timeline.py``)."""
+    phases = {k for k, _, _ in PHASES}
+    out = []
+    for t in row.get("trace_last_step") or []:
+        out.append({"rank": t["rank"],
+                    "step": next(((a, b) for n, a, b in t["spans"] if n == "train_step"), None),
+                    "calls": [(n, a, b) for n, a, b in t["spans"] if n != "train_step"],
+                    # outer phases first, so that a nested wait (push wait in a fetch) is drawn over its parent
+                    "waits": sorted(((n, a, b) for n, a, b in t["events"] if n in phases), key=lambda e: (e[1], -e[2])),
+                    "in_flight": [(n, a, b) for n, a, b in t["events"] if n.startswith("in_flight")]})
+    return out
+
+
+def plot_gantt(rows: list[dict], path: Path, titles: Optional[list[str]] = None) -> None:
+    """One panel per row (e.g. before and after): per rank, the last timed step's calls (light), its waits on
+    inter-node work by phase (dark) and its asynchronous transfers in flight (thin line), on one wall clock."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = {k: c for k, _, c in PHASES}
+    labels = {k: label for k, label, _ in PHASES}
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.0 + 1.3 * sum(max(1, len(gantt_rows(r))) for r in rows) / 2
+                                                     + 0.9 * len(rows)), squeeze=False, sharex=True)
+    seen: set = set()
+
+    def label(key: str, text: str) -> Optional[str]:
+        if key in seen:
+            return None
+        seen.add(key)
+        return text
+
+    for ax, row, title in zip(axes[:, 0], rows, titles or [None] * len(rows)):
+        for y, lane in enumerate(gantt_rows(row)):
+            for name, colour in CALLS:
+                for n, a, b in lane["calls"]:
+                    if n == name:
+                        ax.barh(y, b - a, left=a, height=0.8, color=colour, alpha=0.25,
+                                label=label(f"call {n}", f"{n} (compute unless a wait is drawn)"))
+            for n, a, b in lane["waits"]:
+                ax.barh(y, b - a, left=a, height=0.5, color=colours[n], label=label(n, f"waits: {labels[n]}"))
+            for n, a, b in lane["in_flight"]:
+                ax.plot([a, b], [y + 0.33] * 2, "k-", lw=1.5, label=label(n, "stage 1 in flight (async)"))
+            if lane["step"]:
+                ax.plot([lane["step"][1]] * 2, [y - 0.45, y + 0.45], "k:", lw=1)
+        limit = max(row["compute_s"], row["wire_s"]) if row.get("compute_s") is not None else None
+        if limit:
+            ax.axvline(limit, color="red", lw=1.2, label=label("limit", "max(compute, wire) from the step start"))
+        n = len(gantt_rows(row))
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([f"rank {i}" for i in range(n)], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title or f"{row['engine']}, GA {row.get('grad_accum', 1)}, {row.get('regime', 'large')}: "
+                     f"step {row['step_time_s']:.2f} s (median)", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1, 0].set_xlabel("seconds from the start of the last timed step (one wall clock for every rank)")
+    fig.legend(fontsize=7, loc="lower center", ncol=4)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fcdp_deepspeed.tools.timeline_plot", description=__doc__)
     ap.add_argument("results", nargs="+", help="bench.json files (their rows together)")
     ap.add_argument("--out", required=True, help="PNG to write")
     ap.add_argument("--rate", type=float, default=100.0, help="Mbit/s of the rows to draw (default 100)")
+    ap.add_argument("--gantt", default="", help="draw each rank's last timed step instead, for these engines "
+                    "(comma-separated, in panel order; rows at --rate with a trace)")
     args = ap.parse_args(argv)
     rows = [r for f in args.results for r in json.loads(Path(f).read_text())["rows"]]
+    if args.gantt:
+        found = [r for e in args.gantt.split(",") for r in rows
+                 if r["engine"] == e and r["rate_mbit"] == args.rate and r.get("trace_last_step")]
+        plot_gantt(found, Path(args.out))
+        return 0
     plot(rows, Path(args.out), args.rate)
     print(markdown(rows, args.rate))
     return 0

@@ -167,32 +167,44 @@ def evaluate(engine, x: torch.Tensor) -> torch.Tensor:
 
 
 def train(engine, steps: int, *, hidden: int = 32, seed: int = 0, record_step_stats: bool = False,
-          record_phases: bool = False, dtype: torch.dtype = torch.float32) -> RunResult:
+          record_phases: bool = False, dtype: torch.dtype = torch.float32, spans: Optional[list] = None) -> RunResult:
     """``steps`` optimizer steps (``grad_accum`` micro-steps each); losses per micro-step.
 
     ``record_phases`` stores stats after every forward and backward in ``extra["phases"]`` as
-    ``(micro_step, "forward"|"backward", stats)`` to attribute traffic to a phase.
+    ``(micro_step, "forward"|"backward", stats)`` to attribute traffic to a phase. ``spans`` (a list) receives
+    ``(name, start, end)`` in ``time.time()`` seconds for every ``train_step``, ``forward``, ``backward`` and
+    ``step`` call ([Note: the trace] in ``fcdp_deepspeed/timeline.py``).
     """
     import fcdp_deepspeed
     result = RunResult()
     ga = engine.gradient_accumulation_steps()
     mb = engine.train_micro_batch_size_per_gpu()
     micro = 0
+
+    def timed(name: str, fn, *args):
+        start = time.time()
+        out = fn(*args)
+        if spans is not None:
+            spans.append((name, start, time.time()))
+        return out
+
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         for _ in range(ga):
             x, y = batch(micro, mb, hidden, seed)
             x, y = x.to(engine.device, dtype), y.to(engine.device)  # no copy on the CPU accelerator
-            loss = F.mse_loss(engine(x).float(), y)
+            loss = F.mse_loss(timed("forward", engine, x).float(), y)
             if record_phases:
                 result.extra.setdefault("phases", []).append((micro, "forward", fcdp_deepspeed.get_stats(engine)))
-            engine.backward(loss)
+            timed("backward", engine.backward, loss)
             if record_phases:
                 result.extra["phases"].append((micro, "backward", fcdp_deepspeed.get_stats(engine)))
-            engine.step()
+            timed("step", engine.step)
             result.losses.append(loss.item())
             micro += 1
         result.step_times.append(time.perf_counter() - t0)
+        if spans is not None:
+            spans.append(("train_step", wall, time.time()))
         if record_step_stats:
             result.step_stats.append(fcdp_deepspeed.get_stats(engine))
     result.stats = fcdp_deepspeed.get_stats(engine)

@@ -101,14 +101,20 @@ def megatron(steps: int = 2, tp: int = 2, ranks_per_node: int = 4) -> dict:
     return out
 
 
-def batched(steps: int = 3, ranks_per_node: int = 2, break_kind: str = "", verify: bool = False) -> dict:
-    """LoRA through ``deepspeed.initialize`` (large release regime), ``miss_batch_bytes`` default and 0:
-    losses, weights, and inter-node all-gathers per optimizer step after the first."""
+#: The runs of :func:`batched`: the defaults, batching off, and the run-ahead on (it pushes the batch).
+BATCHED_RUNS = {"batched": {"param_push_bytes": 0}, "unbatched": {"miss_batch_bytes": 0, "param_push_bytes": 0},
+                "pushed": {"param_push_bytes": 2**30}}
+
+
+def batched(steps: int = 3, ranks_per_node: int = 2, break_kind: str = "", verify: bool = False,
+            runs: tuple = ("batched", "unbatched")) -> dict:
+    """LoRA through ``deepspeed.initialize`` (large release regime), ``miss_batch_bytes`` default and 0 (and the
+    run-ahead with ``pushed``): losses, weights, and inter-node all-gathers per optimizer step after the first."""
     setup(ranks_per_node)
     sabotage(break_kind)
     sc = dict(lora_rank=2, steps=steps, eval=True)
     out = {}
-    for name, extra in (("batched", {}), ("unbatched", {"miss_batch_bytes": 0})):
+    for name, extra in ((run, BATCHED_RUNS[run]) for run in runs):
         block = {"enabled": True, "ranks_per_node": ranks_per_node, "verify": verify, **extra}
         engine = build(sc, _config(sc, block))
         res = train(engine, sc)

@@ -49,3 +49,17 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
         out[name] = _run(True, ckpt_dir, name)
         os.environ[runahead.BREAK_ENV] = ""
     return out
+
+
+def prefetch(steps: int = 4) -> dict:
+    """DeepSpeed's default prefetch (one coalesced fetch for the rest of the forward once the trace is complete,
+    none before): plain ZeRO-3 and FCDP with the run-ahead; the pushes of the window without prefetch must be used
+    by the window with it (per-module groups either way, ``gather.PerModuleHandle``)."""
+    setup()
+    out = {}
+    for name, fcdp in (("plain", False), ("fcdp", True)):
+        cfg = toy.ds_config(fcdp_block(param_push_bytes=2**30) if fcdp else None, regime="default")
+        engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
+        res = toy.train(engine, steps, hidden=HIDDEN)
+        out[name] = {"losses": res.losses, "stats": fcdp_deepspeed.get_stats(engine) if fcdp else {}}
+    return out

@@ -1,0 +1,127 @@
+"""Stage 2 of the two-stage gather, issued in FIFO order by the waits that need it (backends without streams).
+
+[Note: stage 1 does not block the host]
+On gloo every collective runs on the host, and a blocking stage 1 (the inter-node all-gather among node peers,
+``gather.py``) held the host for its whole transfer inside DeepSpeed's fetch, before the compute that a
+prefetch (DeepSpeed's, or the run-ahead's, ``runahead.py``) was meant to overlap. So where the engine has no
+streams, stage 1 is issued asynchronously and stage 2 (the all-gather inside the node, which reads stage 1's
+output) is issued not at issue time but by the first ``wait`` that needs it: that wait issues, in issue order,
+the pending stage 2 of every earlier two-stage gather, then its own (:meth:`StageTwo.drain`), each only after its
+stage 1 completed (``Work.wait``: never read before complete).
+
+Why FIFO: gloo pairs the collectives of one group by their issue order, so every rank must issue the stage-2
+all-gathers on the node group in one order. Issue points are program order, identical on every rank; wait
+points are not quite: DeepSpeed waits the handles of one module in the iteration order of a ``set``, which
+differs per rank. Draining everything up to the waited handle makes the issue order the FIFO order whatever
+handle a rank waits first, and every rank has drained the same prefix when the module's wait loop ends, so
+the node-group collectives issued at the next issue point (cache hits over the node group) come after the
+same stage 2s on every rank. ``FCDP_BREAK_GATHER=drain_own`` issues only the waited handle's stage 2 (the
+per-rank order), ``stage2_early`` issues stage 2 without waiting for stage 1: tests must see each fail.
+
+On an accelerator with streams nothing here runs: stage 1 is enqueued on the gather stream and stage 2 right
+after it, stream-ordered without a host wait ([Note: streams] in ``gather.py``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from deepspeed import comm as dist
+
+from fcdp_deepspeed import timeline
+
+BREAK_ENV = "FCDP_BREAK_GATHER"
+#: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every stage 1 (skew, so that a read before
+#: completion shows).
+DELAY_ENV = "FCDP_STAGE1_DELAY"
+BREAKS = ("drain_own", "stage2_early")
+
+
+def gather_broken(what: str) -> bool:
+    """Whether ``FCDP_BREAK_GATHER`` names ``what`` (test-only; read at every call)."""
+    value = os.environ.get(BREAK_ENV)
+    if not value:
+        return False
+    named = {v.strip() for v in value.split(",") if v.strip()}
+    if named - set(BREAKS):
+        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
+    return what in named
+
+
+def stage1_delay() -> None:
+    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1."""
+    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
+    if rank and int(rank) == dist.get_rank():
+        time.sleep(float(seconds))
+
+
+@dataclass(eq=False)
+class Deferred:
+    """One two-stage gather whose stage 2 waits in the queue: the ``allgather_handle`` of DeepSpeed's
+    ``AllGatherCoalescedHandle`` (its ``wait`` is the only call DeepSpeed makes on it)."""
+
+    queue: "StageTwo"
+    flat: torch.Tensor
+    bundle: torch.Tensor
+    #: Stage 1's work, ``None`` when it completed at issue (a compressed stage 1).
+    stage1: Any
+    #: Stage 1 was issued at the previous step's end (``runahead.py``): its wait is the timeline's push wait.
+    pushed: bool = False
+    #: Test-only (``FCDP_BREAK_PUSH=read_early``): stage 2 does not wait for stage 1.
+    early: bool = False
+    stage2: Any = None
+
+    def wait(self) -> None:
+        self.queue.drain(self)
+        self.stage2.wait()
+        if self.stage1 is not None:  # only the broken variants leave it unwaited: complete before the buffer dies
+            self.stage1.wait()
+
+
+@dataclass(eq=False)
+class StageTwo:
+    """One engine's queue of deferred stage 2s (see [Note: stage 1 does not block the host])."""
+
+    node_group: Any
+    clock: Optional[timeline.PhaseClock] = None
+    pending: deque = field(default_factory=deque)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    def add(self, flat: torch.Tensor, bundle: torch.Tensor, stage1: Any, pushed: bool = False,
+            early: bool = False) -> Deferred:
+        """Queue the stage 2 of a gather whose stage 1 was issued (in issue order)."""
+        entry = Deferred(self, flat, bundle, stage1, pushed, early)
+        with self._lock:
+            self.pending.append(entry)
+        return entry
+
+    def drain(self, upto: Deferred) -> None:
+        """Issue the stage 2 of every queued gather up to ``upto``, in issue order, each after its stage 1."""
+        with self._lock:
+            if upto.stage2 is not None:
+                return
+            if gather_broken("drain_own"):  # test-only: the per-rank order of DeepSpeed's waits
+                self.pending.remove(upto)
+                self._issue(upto)
+                return
+            while self.pending:
+                entry = self.pending.popleft()
+                self._issue(entry)
+                if entry is upto:
+                    return
+
+    def _issue(self, entry: Deferred) -> None:
+        if entry.stage1 is not None and not entry.early and not gather_broken("stage2_early"):
+            if entry.pushed:
+                with timeline.waiting(timeline.Phase.PUSH_WAIT, self.clock):
+                    entry.stage1.wait()
+            else:
+                entry.stage1.wait()
+            entry.stage1 = None
+        entry.stage2 = dist.allgather_fn(entry.flat, entry.bundle, group=self.node_group, async_op=True)
