@@ -58,6 +58,20 @@ def test_config_of_a_setting():
     assert spec.fingerprint() != converge.ConvergeSpec(steps=41, warmup_steps=4).fingerprint()
 
 
+
+def test_diloco_setting_names():
+    """``diloco{H}`` and its suffixes name the ``fcdp.diloco`` block; ``_ilr{x}`` scales only the job's own lr."""
+    assert converge.diloco_block("exact") is None and not converge.known_setting("diloco10_bogus")
+    assert converge.diloco_block("diloco10_lr1_mom0_ilr1.41") == {"sync_every": 10, "outer_lr": 1.0,
+                                                                 "outer_momentum": 0.0}
+    assert converge.diloco_block("diloco20_int4_hb_f4_ov2") == {"sync_every": 20, "compression": "int4",
+                                                               "nesterov": False, "fragments": 4, "overlap_steps": 2}
+    spec = converge.ConvergeSpec(steps=40, warmup_steps=4, lr=1e-3)
+    assert converge.inner_lr_scale("exact") == converge.inner_lr_scale("diloco10") == 1.0
+    cfg = converge.ds_config(spec, "diloco10_ilr2", "fp32")
+    assert cfg["optimizer"]["params"]["lr"] == cfg["scheduler"]["params"]["warmup_max_lr"] == 2e-3
+    assert cfg["fcdp"]["diloco"] == {"sync_every": 10}
+
 def _record(setting: str, dtype: str, loss: float, nbytes: float, spec: converge.ConvergeSpec) -> dict:
     p, g = converge.SETTINGS[setting]
     curve = [{"step": s, "final": False, "heldout_loss": loss + 1 - s / 10, "tokens": 64,

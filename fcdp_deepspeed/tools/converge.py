@@ -43,14 +43,14 @@ SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", 
 #: optional suffixes (:func:`diloco_block`), so probes name their own outer settings (``diloco10_lr1_mom0``).
 DILOCO_SETTINGS = ("diloco10", "diloco10_int4", "diloco50", "diloco50_int4")
 SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
-_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+))*)$")
+_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+))*)$")
 
 
 def diloco_block(setting: str) -> Optional[dict]:
     """The ``fcdp.diloco`` block of a setting name, ``None`` for the exact-DP settings. ``diloco{H}`` then any of
     ``_int4``/``_int8`` (pseudo-gradient codec), ``_lr{x}`` (outer_lr), ``_mom{x}`` (outer_momentum), ``_hb``
     (heavy-ball instead of Nesterov), ``_f{F}`` (streaming fragments), ``_ov{n}`` (overlap_steps); the rest are
-    the block's defaults."""
+    the block's defaults. ``_ilr{x}`` scales the inner (the job's own) learning rate: :func:`inner_lr_scale`."""
     m = _DILOCO_NAME.match(setting)
     if m is None:
         return None
@@ -60,12 +60,22 @@ def diloco_block(setting: str) -> Optional[dict]:
             block["compression"] = tok
         elif tok == "hb":
             block["nesterov"] = False
+        elif tok.startswith("ilr"):
+            continue  # not a key of the block: inner_lr_scale
         elif tok[0] == "f" or tok.startswith("ov"):
             block["fragments" if tok[0] == "f" else "overlap_steps"] = int(tok.lstrip("fov"))
         else:
             key, value = ("outer_lr", tok[2:]) if tok.startswith("lr") else ("outer_momentum", tok[3:])
             block[key] = float(value)
     return block
+
+
+def inner_lr_scale(setting: str) -> float:
+    """The factor a DiLoCo setting (``_ilr{x}``) puts on ``--lr`` (1 for every other setting): each node's batch is
+    1/N of the global one, and Adam's step shrinks with the gradient noise it normalizes by (a probe knob; no
+    value of it is measured to help)."""
+    m = re.search(r"_ilr([\d.]+)", setting) if diloco_block(setting) is not None else None
+    return float(m.group(1)) if m else 1.0
 
 
 def known_setting(setting: str) -> bool:
@@ -154,10 +164,10 @@ def ds_config(spec: ConvergeSpec, setting: str, dtype: str) -> dict:
     if diloco_block(setting) is not None:  # the held-out loss between syncs is the mean of the nodes' own models
         block.update(diloco=diloco_block(setting), compression_block=spec.compression_block)
     cfg = toy.ds_config(block, regime=spec.regime, grad_accum=spec.grad_accum, micro_batch=spec.micro_batch,
-                        lr=spec.lr, dtype=dtype)
+                        lr=spec.lr * inner_lr_scale(setting), dtype=dtype)
     cfg["gradient_clipping"] = spec.grad_clip
     cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": spec.lr, "warmup_num_steps": spec.warmup_steps,
+        "warmup_min_lr": 0.0, "warmup_max_lr": spec.lr * inner_lr_scale(setting), "warmup_num_steps": spec.warmup_steps,
         "total_num_steps": spec.steps, "warmup_type": "linear"}}
     return cfg
 
@@ -312,6 +322,7 @@ def combine(s: ConvergeSpec, setting: str, dtype: str, everyone: list[dict], sta
         "key": setting_key(setting, dtype), "setting": setting, "dtype": dtype, "param_compression": pc,
         "grad_compression": gc, "compression_block": s.compression_block, "fingerprint": s.fingerprint(),
         "codecs": codecs(setting, s.compression_block), "diloco": diloco_block(setting),
+        "inner_lr": s.lr * inner_lr_scale(setting),
         "spec": asdict(s) | {"settings": None, "dtypes": None}, "corpus_sha256": corpus_sha256, "params": params,
         "nodes": s.nodes, "world": world, "rate_mbit": s.rate_mbit, "steps": s.steps,
         "bytes_source": "kernel" if kernel else "counted",
@@ -395,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     d = ConvergeSpec()
     ap.add_argument("--settings", default=",".join(d.settings), help=f"comma-separated, of {', '.join(SETTINGS)} "
                     "or diloco{H} with suffixes _int4, _int8, _lr{outer_lr}, _mom{outer_momentum}, _hb (heavy-ball), "
-                         "_f{fragments}, _ov{overlap_steps}")
+                         "_f{fragments}, _ov{overlap_steps}, _ilr{inner lr factor}")
     ap.add_argument("--dtypes", default=",".join(d.dtypes), help="comma-separated, of fp32, bf16")
     ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
