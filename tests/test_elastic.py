@@ -130,7 +130,9 @@ def test_diloco_node_killed_between_syncs_resumes_to_the_uninterrupted_run(tmp_p
         run = run_elastic(cluster, resize.script_argv(cfg, work / "ckpt", STEPS, INTERVAL, work / "metrics.jsonl"),
                           work, kills=[point], metrics=work / "metrics.jsonl", timeout=480)
         assert run.ok, run.log_tail
-        assert run.resumed_at() == [2] and run.redone_steps() == 1
+        # redone: step 2, and step 3 when node 0 finished it before its agent restarted it (a DiLoCo step between
+        # syncs crosses no node, so node 0 does not wait for the killed node there)
+        assert run.resumed_at() == [2] and run.redone_steps() in (1, 2)
         assert _losses(run.metrics) == _losses(resize.read_metrics(ref / "metrics.jsonl"))
         tag = f"global_step{STEPS}"
         assert resize.bitwise_equal(resize.fp32_weights(work / "ckpt"), resize.fp32_weights(ref / "ckpt"))
