@@ -53,7 +53,8 @@ def main() -> None:
         stats = fcdp_deepspeed.get_stats(engine)
         facts.update({k: stats.get(k) for k in ("inter_node_allgather_bytes", "cache_hits", "num_nodes",
                                                 "ranks_per_node", "node_ranks", "inter_node_grad_reduce_bytes",
-                                                "grad_accumulated", "grad_delivered")})
+                                                "grad_accumulated", "grad_delivered", "diloco_syncs",
+                                                "diloco_steps", "inter_node_diloco_bytes")})
     except ImportError:
         pass
     gathered = [None] * deepspeed.comm.get_world_size()

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fcdp_deepspeed.tools import converge, converge_report, textdata, tinylm
+from fcdp_deepspeed.tools import converge, converge_reference, converge_report, textdata, tinylm
 from fcdp_deepspeed.tools.model_hash import all_equal
 
 
@@ -57,6 +57,20 @@ def test_config_of_a_setting():
     assert spec.fingerprint() == converge.ConvergeSpec(steps=40, warmup_steps=4, settings=["int4"]).fingerprint()
     assert spec.fingerprint() != converge.ConvergeSpec(steps=41, warmup_steps=4).fingerprint()
 
+
+
+def test_diloco_setting_names():
+    """``diloco{H}`` and its suffixes name the ``fcdp.diloco`` block; ``_ilr{x}`` scales only the job's own lr."""
+    assert converge.diloco_block("exact") is None and not converge.known_setting("diloco10_bogus")
+    assert converge.diloco_block("diloco10_lr1_mom0_ilr1.41") == {"sync_every": 10, "outer_lr": 1.0,
+                                                                 "outer_momentum": 0.0}
+    assert converge.diloco_block("diloco20_int4_hb_f4_ov2") == {"sync_every": 20, "compression": "int4",
+                                                               "nesterov": False, "fragments": 4, "overlap_steps": 2}
+    spec = converge.ConvergeSpec(steps=40, warmup_steps=4, lr=1e-3)
+    assert converge.inner_lr_scale("exact") == converge.inner_lr_scale("diloco10") == 1.0
+    cfg = converge.ds_config(spec, "diloco10_ilr2", "fp32")
+    assert cfg["optimizer"]["params"]["lr"] == cfg["scheduler"]["params"]["warmup_max_lr"] == 2e-3
+    assert cfg["fcdp"]["diloco"] == {"sync_every": 10}
 
 def _record(setting: str, dtype: str, loss: float, nbytes: float, spec: converge.ConvergeSpec) -> dict:
     p, g = converge.SETTINGS[setting]
@@ -109,6 +123,25 @@ def test_a_few_steps_on_four_ranks_agree_bit_for_bit(tmp_path):
     assert rec["inter_node_bytes_per_step"] > 0 and rec["bytes_source"] == "counted"
     assert (tmp_path / converge_report.PLOT).exists()
 
+
+
+def test_diloco_trains_as_its_plain_pytorch_reference(tmp_path, monkeypatch):
+    """Live: DiLoCo (H = 2, outer Nesterov lr 0.7, momentum 0.9) on 2 simulated nodes x 2 ranks follows
+    ``converge_reference`` (one process, per-node AdamW replicas, DeepSpeed's schedule, ZeRO-3's clipping, the outer
+    step on the mean pseudo-gradient) step for step: the per-node data, inner optimizer, clipping, schedule and
+    sync are DiLoCo's, not only the outer step. The broken variant whose sync skips the 16-bit partitions
+    (``FCDP_BREAK_DILOCO=skip_reassign``) departs from it."""
+    spec = converge.ConvergeSpec(settings=["diloco2"], dtypes=["fp32"], steps=6, eval_every=3, eval_windows=8,
+                                 context=32, width=32, layers=1, heads=2, warmup_steps=1, lr=1e-2, timeout_s=240)
+    ref = converge_reference.train(spec, "diloco2")
+    far = lambda rec: max(abs(a - b) for a, b in zip(rec["train_losses"], ref["train_losses"], strict=True))  # noqa: E731
+    (rec,) = converge.run_converge(spec, tmp_path / "ok", netns=False, log=lambda *_: None)
+    assert rec["bitwise_equal_across_ranks"] and rec["fcdp_stats"]["diloco_syncs"] == 3
+    assert far(rec) < 1e-5 and abs(rec["final_heldout_loss"] - ref["final_heldout_loss"]) < 1e-5, (rec, ref)
+    assert ref["train_losses"][-1] < ref["train_losses"][0]
+    monkeypatch.setenv("FCDP_BREAK_DILOCO", "skip_reassign")
+    (broken,) = converge.run_converge(spec, tmp_path / "broken", netns=False, log=lambda *_: None)
+    assert far(broken) > 1e-3
 
 def test_committed_convergence_run_meets_its_claims():
     """docs/converge_results.json (the lead's quiet-machine sweep, once committed): >= 500 steps of a >= 1M-parameter

@@ -100,3 +100,44 @@ def test_kill_points_and_the_checkpoint_each_resumes_from():
     assert points[-1].agent and str(points[-1]) == "1:4:latest:agent"
     with pytest.raises(ValueError):
         parse_points("1:3:sideways")
+
+
+DILOCO = {"sync_every": 3, "compression": "int8"}  # step 3 syncs: the kill falls mid-interval
+
+
+def _diloco_config(path: Path, **kwargs) -> Path:
+    cfg = resize.config("exact", **kwargs)
+    cfg["fcdp"] = {**cfg["fcdp"], "diloco": DILOCO}
+    return resize.write_config(path, cfg)
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
+def test_diloco_node_killed_between_syncs_resumes_to_the_uninterrupted_run(tmp_path, monkeypatch):
+    """DiLoCo (H = 3, int8 residuals): node 1 killed in step 3 (global_step2, mid-interval, is the last checkpoint);
+    the job resumes there (every node's inner state, the outer state and residuals from its own files) and ends
+    with the uninterrupted run's losses, node 0's weights and every rank's optimizer state, bit for bit."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    cfg = _diloco_config(ref / "diloco.json", ranks_per_node=2)
+    resize.run_script(resize.script_argv(cfg, ref / "ckpt", STEPS, INTERVAL, ref / "metrics.jsonl"), 4)
+    point = KillPoint(node=1, step=3, phase="forward")
+    with tempfile.TemporaryDirectory(prefix="fcdp-elastic-") as tmp, EmulatedCluster(2, tag="ed") as cluster:
+        work = Path(tmp)
+        cfg = _diloco_config(work / "diloco.json")  # node layout from torchrun
+        run = run_elastic(cluster, resize.script_argv(cfg, work / "ckpt", STEPS, INTERVAL, work / "metrics.jsonl"),
+                          work, kills=[point], metrics=work / "metrics.jsonl", timeout=480)
+        assert run.ok, run.log_tail
+        # redone: step 2, and step 3 when node 0 finished it before its agent restarted it (a DiLoCo step between
+        # syncs crosses no node, so node 0 does not wait for the killed node there)
+        assert run.resumed_at() == [2] and run.redone_steps() in (1, 2)
+        assert _losses(run.metrics) == _losses(resize.read_metrics(ref / "metrics.jsonl"))
+        tag = f"global_step{STEPS}"
+        assert resize.bitwise_equal(resize.fp32_weights(work / "ckpt"), resize.fp32_weights(ref / "ckpt"))
+        for sub in ("", "fcdp_diloco_node1"):  # node 0's files in the tag directory, node 1's in its sub-directory
+            ours, theirs = (resize.optimizer_states(d / "ckpt", f"{tag}/{sub}" if sub else tag) for d in (work, ref))
+            assert len(ours) == len(theirs) == 2
+            for a, b in zip(ours, theirs):
+                assert all(x.equal(y) for x, y in zip(a["fp32"], b["fp32"], strict=True))

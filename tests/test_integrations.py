@@ -91,6 +91,24 @@ def test_run_module_under_deepspeed_launcher(tmp):
     assert all(r["optimizer"] == "FCDPStage3" and r["cache_hits"] > 0 for r in res)
 
 
+def test_diloco_with_the_config_key_alone_under_torchrun_and_the_deepspeed_launcher(tmp):
+    """``fcdp.diloco`` in the config of an unmodified script: 2 nodes x 2 ranks, H = 2, 4 steps, through torchrun
+    (``-m fcdp_deepspeed.run``) and the deepspeed launcher (``--module``)."""
+    cfg = _config(tmp, {"enabled": True, "ranks_per_node": 2, "diloco": {"sync_every": 2, "compression": "int4"}})
+    script = [SCRIPT, "--deepspeed_config", cfg]
+    runs = {"torchrun": _launch(_torchrun(["-m", "fcdp_deepspeed.run", *script, "--out", str(tmp / "t.json")]),
+                                tmp / "t.json", FCDP_AUTOLOAD="0"),
+            "deepspeed": _launch([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port",
+                                  str(free_port()), "--module", "fcdp_deepspeed.run", *script, "--out",
+                                  str(tmp / "d.json")], tmp / "d.json")}
+    for name, res in runs.items():
+        for r in res:
+            assert r["optimizer"] == "FCDPStage3" and r["diloco_syncs"] == 2 and r["diloco_steps"] == 4, (name, r)
+            assert r["inter_node_grad_reduce_bytes"] == 0 and r["inter_node_diloco_bytes"] > 0, (name, r)
+        assert res[0]["losses"] != res[2]["losses"], name  # each node trains on its own samples
+    assert runs["torchrun"][0]["losses"] == runs["deepspeed"][0]["losses"]
+
+
 @pytest.mark.slow
 def test_plain_hf_script_logs_fcdp_counters_under_both_launchers(tmp):
     """A Trainer script that imports neither DeepSpeed nor fcdp_deepspeed (accelerate imports DeepSpeed

@@ -34,7 +34,11 @@ class DiLoCoConfig(StrictConfigModel):
     compression: Literal["off", "int8", "int4"] = "off"
     """Codec of the pseudo-gradient exchange (``compress/quant.py``) with error feedback across syncs."""
     fragments: int = Field(1, ge=1)
-    """Streaming DiLoCo fragments; must divide ``sync_every``. Only 1 is implemented in this version."""
+    """Streaming DiLoCo: the model's outer state in this many fragments, one synced every ``sync_every /
+    fragments`` steps (each fragment every ``sync_every``); must divide ``sync_every``."""
+    overlap_steps: Optional[int] = Field(None, ge=0)
+    """Inner steps a fragment's exchange runs behind (issued after one step, completed after this many more);
+    0: the sync blocks. Default: 1 with ``fragments`` > 1, else 0. At most ``sync_every / fragments``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -45,7 +49,23 @@ class DiLoCoConfig(StrictConfigModel):
                 raise ValueError(f"{KEY}.fragments = {f} does not divide {KEY}.sync_every = {h}: each fragment syncs "
                                  f"every sync_every / fragments steps. Fix: set fragments to a divisor of {h} "
                                  f"(1 syncs the whole model at once) or sync_every to a multiple of {f}.")
+            tau = data.get("overlap_steps")
+            if isinstance(tau, int) and not isinstance(tau, bool) and isinstance(h, int) and isinstance(f, int) \
+                    and f >= 1 and h % f == 0 and tau > h // f:
+                raise ValueError(f"{KEY}.overlap_steps = {tau} is more than sync_every / fragments = {h // f}: a "
+                                 f"fragment's exchange must complete before the next one is issued. Fix: set "
+                                 f"overlap_steps to at most {h // f}.")
         return data
+
+    @property
+    def overlap(self) -> int:
+        """The resolved ``overlap_steps``."""
+        return self.overlap_steps if self.overlap_steps is not None else (1 if self.fragments > 1 else 0)
+
+    @property
+    def interval(self) -> int:
+        """Steps between two fragment syncs."""
+        return self.sync_every // self.fragments
 
 
 _FIXES = {
@@ -55,6 +75,7 @@ _FIXES = {
     "nesterov": "true or false",
     "compression": "\"off\", \"int8\" or \"int4\"",
     "fragments": "a whole number >= 1 that divides sync_every (1: the whole model at once)",
+    "overlap_steps": "a whole number of steps in [0, sync_every / fragments] (0: the sync blocks)",
     "enabled": "true or false",
 }
 
@@ -115,10 +136,6 @@ def ds_problems(fcdp: Any, zero: Any, ds_config: Mapping[str, Any]) -> list[str]
     """What an enabled ``fcdp.diloco`` cannot run with (``zero`` DeepSpeed's parsed ZeRO config), each with the fix."""
     out = [f"fcdp.{key} = {getattr(fcdp, key)!r} with fcdp.diloco: {why}. Fix: remove fcdp.{key}"
            for key, (refused, why) in _CROSS_NODE_KEYS.items() if getattr(fcdp, key) in refused]
-    diloco = fcdp.diloco
-    if diloco is not None and diloco.fragments > 1:
-        out.append(f"fcdp.diloco.fragments = {diloco.fragments}: streaming DiLoCo (one fragment at a time) is not "
-                   f"implemented in this version. Fix: set fcdp.diloco.fragments to 1 (or leave it out)")
     if offload_device(zero, "offload_param") != "none":
         out.append("zero_optimization.offload_param with fcdp.diloco is not supported in this version. "
                    "Fix: remove offload_param")

@@ -12,6 +12,7 @@ decodes every message, its own included ([Note: determinism] in ``compress/quant
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,17 @@ import torch
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.compress.quant import Codec
+
+
+@dataclass(eq=False)
+class Flight:
+    """One issued exchange: this rank's message (held until the work completes, as the backend requires), the
+    peers' messages as they arrive, and the work handle."""
+
+    numel: int
+    message: torch.Tensor
+    gathered: list[torch.Tensor]
+    work: Any
 
 
 class PseudoGradExchange:
@@ -29,21 +41,34 @@ class PseudoGradExchange:
         #: Bytes this rank sent (its messages), since the engine was built.
         self.sent_bytes = 0
 
-    def average(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
-        """The peers' mean of ``delta`` (fp32, 1-D, on the accelerator). With a codec, ``residual`` (same shape,
-        same device) is read and updated in place."""
-        n = delta.numel()
+    def encode(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """This rank's message for ``delta`` (fp32, 1-D, on the accelerator). With a codec, ``residual`` (same
+        shape, same device) is read and updated in place (error feedback)."""
         if self.codec is None:
-            message = delta
-        else:
-            x = delta.add(residual)
-            message, decoded = self.codec.roundtrip(x)
-            residual.copy_(x.sub_(decoded))
+            return delta
+        x = delta.add(residual)
+        message, decoded = self.codec.roundtrip(x)
+        residual.copy_(x.sub_(decoded))
+        return message
+
+    def start(self, message: torch.Tensor, numel: int) -> Flight:
+        """Issue the all-gather of ``message`` over the peers (asynchronous: :meth:`finish` waits for it)."""
         gathered = [torch.empty_like(message) for _ in range(self.num_nodes)]
-        dist.all_gather(gathered, message, group=self.group)
+        work = dist.all_gather(gathered, message, group=self.group, async_op=True)
         self.sent_bytes += message.numel() * message.element_size()
+        return Flight(numel, message, gathered, work)
+
+    def finish(self, flight: Flight, wait: bool = True) -> torch.Tensor:
+        """The peers' mean of the exchanged values (``wait=False`` is the test-only broken variant that reads
+        the peers' messages before the work completes)."""
+        if wait:
+            flight.work.wait()
         total = None
-        for m in gathered:  # peer order: the same sum on every peer
-            value = m if self.codec is None else self.codec.decode(m, n)
+        for m in flight.gathered:  # peer order: the same sum on every peer
+            value = m if self.codec is None else self.codec.decode(m, flight.numel)
             total = value.clone() if total is None else total.add_(value)
         return total.div_(self.num_nodes)
+
+    def average(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """Encode, exchange and average at once (blocking)."""
+        return self.finish(self.start(self.encode(delta, residual), delta.numel()))

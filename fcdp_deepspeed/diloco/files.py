@@ -8,9 +8,19 @@ only (``optimizer.fcdp_diloco`` set; every other engine runs DeepSpeed's unchang
 
 - ``_configure_checkpointing``: every rank saves its ZeRO optimizer-state file, and only node 0 writes the
   ``*_model_states.pt`` files (every node would write the same names, with the same content at a sync);
-- ``_get_zero_ckpt_prefix``: node ``n > 0`` names its files ``fcdp_diloco_node{n}_zero_pp_rank_{r}``; node 0
-  keeps DeepSpeed's names, so its L files are a plain ZeRO-3 checkpoint of L partitions (``zero_to_fp32`` reads
-  it; taken at a sync boundary it holds the outer model every node shares).
+- ``_get_zero_ckpt_prefix``: node ``n > 0`` keeps its files in a sub-directory of the tag,
+  ``fcdp_diloco_node{n}/zero_pp_rank_{r}_*`` (``_save_zero_checkpoint`` creates it); node 0 keeps DeepSpeed's names
+  in the tag directory itself, so that directory alone is a plain ZeRO-3 checkpoint of L partitions
+  (``zero_to_fp32`` and ``ds_to_universal`` read it; taken at a sync it holds the outer model every node shares).
+
+[Note: loading across modes] A ZeRO-3 checkpoint is loaded rigidly: each rank copies its own file's flat
+partitions, whose size is set by the partition count (the world for exact ZeRO-3, the node for DiLoCo). Loading
+one mode's checkpoint into the other would fail deep inside DeepSpeed (a missing file, a size mismatch) or load
+optimizer moments of other elements (or load on some ranks only: a missing model-states file is skipped with a
+warning); ``_load_checkpoint`` refuses it before anything is read, on every rank alike (the decision reads only
+the tag directory), naming the fix: DeepSpeed's universal checkpoint, which is keyed by
+parameter, not by partition. A universal load carries no DiLoCo state: the outer state restarts from the loaded
+weights (``diloco/state.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +34,8 @@ _ORIGINAL: dict[str, Callable] = {}
 #: Test-only: ``FCDP_BREAK_DILOCO=node_files`` leaves DeepSpeed's file ownership (node 0 writes, every node reads
 #: node 0's), the variant ``tests/test_diloco.py`` must catch (a resume mid-interval is then not exact).
 BREAK_ENV = "FCDP_BREAK_DILOCO"
+#: The sub-directory of a tag holding node ``n > 0``'s files.
+NODE_DIR = "fcdp_diloco_node{node}"
 
 
 def _node_index(engine: Any) -> int | None:
@@ -50,15 +62,53 @@ def _get_zero_ckpt_prefix(original: Callable) -> Callable:
     def wrapped(self, dp_rank, bf16_mode):
         prefix = original(self, dp_rank, bf16_mode)
         node = _node_index(self)
-        return prefix if not node else f"fcdp_diloco_node{node}_{prefix}"
+        return prefix if not node else f"{NODE_DIR.format(node=node)}/{prefix}"
     return wrapped
 
 
-_WRAPPERS = {"_configure_checkpointing": _configure_checkpointing, "_get_zero_ckpt_prefix": _get_zero_ckpt_prefix}
+def _save_zero_checkpoint(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapped(self, save_path, tag):
+        if _node_index(self):
+            os.makedirs(os.path.dirname(self._get_zero_ckpt_name(save_path, tag)), exist_ok=True)
+        return original(self, save_path, tag)
+    return wrapped
+
+
+def cross_mode_problem(diloco: bool, tag_dir: str) -> str | None:
+    """Why a rigid load of the checkpoint in ``tag_dir`` into this engine (DiLoCo or not) must be refused, with the
+    fix ([Note: loading across modes]); ``None`` when the modes match."""
+    written_by_diloco = os.path.isdir(os.path.join(tag_dir, NODE_DIR.format(node=1)))
+    if diloco == written_by_diloco:
+        return None
+    what = ("an exact ZeRO-3 checkpoint (partitioned over the whole world) into a DiLoCo engine (partitioned over "
+            "each node)" if diloco else "a DiLoCo checkpoint (partitioned over each node, one set of files per node) "
+                                        "into an exact engine (partitioned over the whole world)")
+    return (f"fcdp.diloco: cannot load {what} from {tag_dir}: ZeRO-3 checkpoints load rigidly, partition by partition. "
+            f"Fix: convert it to a universal checkpoint (python -m deepspeed.checkpoint.ds_to_universal --input_folder "
+            f"{tag_dir} --output_folder {tag_dir}_universal) and load that with \"checkpoint\": {{\"load_universal\": "
+            f"true}} in the config (the DiLoCo outer state then restarts from the loaded weights), or export the "
+            f"weights with zero_to_fp32 and load them into the model before deepspeed.initialize.")
+
+
+def _load_checkpoint(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapped(self, load_dir, tag, *args, **kwargs):
+        if not self.load_universal_checkpoint() and "node_files" not in os.environ.get(BREAK_ENV, ""):
+            problem = cross_mode_problem(getattr(getattr(self, "optimizer", None), "fcdp_diloco", None) is not None,
+                                         os.path.join(load_dir, str(tag)))
+            if problem is not None:
+                raise RuntimeError(problem)
+        return original(self, load_dir, tag, *args, **kwargs)
+    return wrapped
+
+
+_WRAPPERS = {"_configure_checkpointing": _configure_checkpointing, "_get_zero_ckpt_prefix": _get_zero_ckpt_prefix,
+             "_save_zero_checkpoint": _save_zero_checkpoint, "_load_checkpoint": _load_checkpoint}
 
 
 def install() -> None:
-    """Wrap the engine's two methods (idempotent)."""
+    """Wrap the engine's checkpoint methods (idempotent)."""
     for name, wrap in _WRAPPERS.items():
         if name not in _ORIGINAL:
             _ORIGINAL[name] = getattr(DeepSpeedEngine, name)

@@ -58,7 +58,9 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
 #: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): time whole sync intervals (``--steps`` a multiple of H).
 DILOCO_ENGINES = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
-                  "diloco100_int4": {"sync_every": 100, "compression": "int4"}}
+                  "diloco100_int4": {"sync_every": 100, "compression": "int4"},
+                  # streaming: one fifth of the model every 2 steps, each exchange overlapped with the next step
+                  "diloco10_int4_f5": {"sync_every": 10, "compression": "int4", "fragments": 5}}
 FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items()}
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
@@ -198,6 +200,9 @@ def rank_main(spec: dict, job: str) -> list[dict]:
         records.append({
             "job": job, "engine": engine_name, "regime": s.regime, "all_step_times": step_times,
             "samples_per_step": samples, "step_time_s": step_time, "samples_per_s": samples / step_time,
+            # DiLoCo: the mean over whole sync intervals (--steps a multiple of H) is what a run takes per step;
+            # the median hides the sync steps
+            "step_time_mean_s": statistics.fmean(step_times),
             "kernel_inter_node_bytes_per_step": sum(r["payload"] for r in everyone) / s.steps,
             "counted_inter_node_bytes_per_step": sum(r["wire"] for r in everyone) / s.steps,
             "allgather_inter_node_bytes_per_step_rank0": (stats1["inter_node_allgather_bytes"] -
@@ -261,6 +266,7 @@ def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
     row["rate_mbit"] = rate
     row["repeats"] = len(repeats)
     row["step_time_s"] = statistics.median(times)
+    row["step_time_mean_s"] = statistics.fmean(times)
     row["samples_per_s"] = row["samples_per_step"] / row["step_time_s"]
     row["repeat_step_times_s"] = [r["step_time_s"] for r in repeats]
     for key in ("kernel_inter_node_bytes_per_step", "counted_inter_node_bytes_per_step",

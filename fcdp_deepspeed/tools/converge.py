@@ -28,6 +28,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -38,10 +39,52 @@ from typing import Optional, Sequence
 #: Setting name -> (param_compression, grad_compression).
 SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", "int4"),
             "pint8": ("int8", "off"), "pint4": ("int4", "off"), "gint8": ("off", "int8"), "gint4": ("off", "int4")}
-#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): setting name -> the ``fcdp.diloco`` block (exact inside nodes).
-DILOCO_SETTINGS = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
-                   "diloco50": {"sync_every": 50}, "diloco50_int4": {"sync_every": 50, "compression": "int4"}}
+#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): the swept setting names. Each is ``diloco{H}`` with
+#: optional suffixes (:func:`diloco_block`), so probes name their own outer settings (``diloco10_lr1_mom0``).
+DILOCO_SETTINGS = ("diloco10", "diloco10_int4", "diloco50", "diloco50_int4")
 SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
+_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+))*)$")
+
+
+def diloco_block(setting: str) -> Optional[dict]:
+    """The ``fcdp.diloco`` block of a setting name, ``None`` for the exact-DP settings. ``diloco{H}`` then any of
+    ``_int4``/``_int8`` (pseudo-gradient codec), ``_lr{x}`` (outer_lr), ``_mom{x}`` (outer_momentum), ``_hb``
+    (heavy-ball instead of Nesterov), ``_f{F}`` (streaming fragments), ``_ov{n}`` (overlap_steps); the rest are
+    the block's defaults. ``_ilr{x}`` scales the inner (the job's own) learning rate: :func:`inner_lr_scale`."""
+    m = _DILOCO_NAME.match(setting)
+    if m is None:
+        return None
+    block: dict = {"sync_every": int(m.group(1))}
+    for tok in filter(None, m.group(2).split("_")):
+        if tok in ("int4", "int8"):
+            block["compression"] = tok
+        elif tok == "hb":
+            block["nesterov"] = False
+        elif tok.startswith("ilr"):
+            continue  # not a key of the block: inner_lr_scale
+        elif tok[0] == "f" or tok.startswith("ov"):
+            block["fragments" if tok[0] == "f" else "overlap_steps"] = int(tok.lstrip("fov"))
+        else:
+            key, value = ("outer_lr", tok[2:]) if tok.startswith("lr") else ("outer_momentum", tok[3:])
+            block[key] = float(value)
+    return block
+
+
+def inner_lr_scale(setting: str) -> float:
+    """The factor a DiLoCo setting (``_ilr{x}``) puts on ``--lr`` (1 for every other setting): each node's batch is
+    1/N of the global one, and Adam's step shrinks with the gradient noise it normalizes by (a probe knob; no
+    value of it is measured to help)."""
+    m = re.search(r"_ilr([\d.]+)", setting) if diloco_block(setting) is not None else None
+    return float(m.group(1)) if m else 1.0
+
+
+def known_setting(setting: str) -> bool:
+    return setting in SETTINGS or diloco_block(setting) is not None
+
+
+def compressions(setting: str) -> tuple[str, str]:
+    """(param_compression, grad_compression) of a setting (DiLoCo's: off/off, its codec is its own)."""
+    return SETTINGS.get(setting, ("off", "off"))
 DTYPES = ("fp32", "bf16")
 #: Seconds per optimizer step and per setting's launch, evaluations and hashes, at the default sizes on the
 #: project's quiet 2-core machine. [Note: estimate] Not measured quietly: on the shared machine a step cost
@@ -97,7 +140,7 @@ def codecs(setting: str, block: int) -> dict:
     def describe(name: str, side: str) -> str:
         codec = codec_for(name, block, side=side)
         return "off" if codec is None else f"{codec.name}/b{codec.block}" + ("/hadamard" if codec.rotate else "")
-    pc, gc = SETTINGS[setting]
+    pc, gc = compressions(setting)
     return {"params": describe(pc, "params"), "grads": describe(gc, "grads")}
 
 
@@ -114,17 +157,17 @@ def ds_config(spec: ConvergeSpec, setting: str, dtype: str) -> dict:
     """The DeepSpeed config of one setting: ZeRO-3 (toy's release regime), Adam with linear warmup and decay,
     and the fcdp block: the defaults plus this setting's compression."""
     from fcdp_deepspeed.tools import toy
-    pc, gc = SETTINGS[setting]
+    pc, gc = compressions(setting)
     block = {"enabled": True, "ranks_per_node": spec.ranks_per_node, "cache_device": "host"}
     if (pc, gc) != ("off", "off"):  # exact = today's defaults, the keys left out
         block.update(param_compression=pc, grad_compression=gc, compression_block=spec.compression_block)
-    if setting in DILOCO_SETTINGS:  # the held-out loss between syncs is the mean of the nodes' own models
-        block.update(diloco=DILOCO_SETTINGS[setting], compression_block=spec.compression_block)
+    if diloco_block(setting) is not None:  # the held-out loss between syncs is the mean of the nodes' own models
+        block.update(diloco=diloco_block(setting), compression_block=spec.compression_block)
     cfg = toy.ds_config(block, regime=spec.regime, grad_accum=spec.grad_accum, micro_batch=spec.micro_batch,
-                        lr=spec.lr, dtype=dtype)
+                        lr=spec.lr * inner_lr_scale(setting), dtype=dtype)
     cfg["gradient_clipping"] = spec.grad_clip
     cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": spec.lr, "warmup_num_steps": spec.warmup_steps,
+        "warmup_min_lr": 0.0, "warmup_max_lr": spec.lr * inner_lr_scale(setting), "warmup_num_steps": spec.warmup_steps,
         "total_num_steps": spec.steps, "warmup_type": "linear"}}
     return cfg
 
@@ -272,13 +315,14 @@ def combine(s: ConvergeSpec, setting: str, dtype: str, everyone: list[dict], sta
     train_losses = [statistics.fmean(r["train_losses"][i] for r in everyone) for i in range(s.steps * ga)]
     step_times = [max(r["step_times"][i] for r in everyone) for i in range(s.steps)]
     cpu = [sum(r["step_cpu"][i] for r in everyone) for i in range(s.steps)]
-    pc, gc = SETTINGS[setting]
+    pc, gc = compressions(setting)
     hashes = {view: [r["hashes"][view] for r in everyone] for view in ("gathered", "forward")}
     from fcdp_deepspeed.tools.model_hash import all_equal
     return {
         "key": setting_key(setting, dtype), "setting": setting, "dtype": dtype, "param_compression": pc,
         "grad_compression": gc, "compression_block": s.compression_block, "fingerprint": s.fingerprint(),
-        "codecs": codecs(setting, s.compression_block),
+        "codecs": codecs(setting, s.compression_block), "diloco": diloco_block(setting),
+        "inner_lr": s.lr * inner_lr_scale(setting),
         "spec": asdict(s) | {"settings": None, "dtypes": None}, "corpus_sha256": corpus_sha256, "params": params,
         "nodes": s.nodes, "world": world, "rate_mbit": s.rate_mbit, "steps": s.steps,
         "bytes_source": "kernel" if kernel else "counted",
@@ -326,7 +370,8 @@ def run_converge(spec: ConvergeSpec, out_dir: Path, *, fresh: bool = False, netn
     fp = spec.fingerprint()
     wanted = [(st, d) for d in spec.dtypes for st in sorted(spec.settings, key=lambda x: x != "exact")]
     pending = [(st, d) for st, d in wanted if records.get(setting_key(st, d), {}).get("fingerprint") != fp
-               or _recorded_codecs(records[setting_key(st, d)]) != codecs(st, spec.compression_block)]
+               or _recorded_codecs(records[setting_key(st, d)]) != codecs(st, spec.compression_block)
+               or records[setting_key(st, d)].get("diloco") != diloco_block(st)]
     kept = len(wanted) - len(pending)
     log(f"fcdp converge: {len(wanted)} settings, {kept} already done (same spec), {len(pending)} to run; "
         f"estimated {_estimate(spec, pending, []) / 60:.0f} min")
@@ -359,7 +404,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="fcdp converge", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ConvergeSpec()
-    ap.add_argument("--settings", default=",".join(d.settings), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default=",".join(d.settings), help=f"comma-separated, of {', '.join(SETTINGS)} "
+                    "or diloco{H} with suffixes _int4, _int8, _lr{outer_lr}, _mom{outer_momentum}, _hb (heavy-ball), "
+                         "_f{fragments}, _ov{overlap_steps}, _ilr{inner lr factor}")
     ap.add_argument("--dtypes", default=",".join(d.dtypes), help="comma-separated, of fp32, bf16")
     ap.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per setting")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -388,7 +435,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
     # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    unknown = sorted(set(args.settings.split(",")) - set(SETTINGS)) + sorted(set(args.dtypes.split(",")) - set(DTYPES))
+    unknown = sorted(x for x in set(args.settings.split(",")) if not known_setting(x)) + sorted(set(args.dtypes.split(",")) - set(DTYPES))
     if unknown:
         ap.error(f"unknown setting or dtype: {', '.join(unknown)}")
     spec = ConvergeSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, rate_mbit=args.rate,

@@ -99,6 +99,15 @@ _STYLE = {"exact": ("black", "-"), "int8": ("tab:blue", "-"), "int4": ("tab:red"
           "pint8": ("tab:blue", "--"), "pint4": ("tab:red", "--"), "gint8": ("tab:blue", ":"), "gint4": ("tab:red", ":")}
 
 
+def _style(setting: str) -> tuple[str, str]:
+    """Colour and dashes of a setting's line: DiLoCo (issue 32) by its H, dashed with a codec."""
+    if setting.startswith("diloco"):
+        h = setting.split("_")[0]
+        color = {"diloco10": "tab:green", "diloco50": "tab:purple", "diloco100": "tab:brown"}.get(h, "tab:olive")
+        return color, "--" if "_int" in setting else "-"
+    return _STYLE.get(setting, ("tab:gray", "-."))
+
+
 def plot(records: list[dict], path: Path) -> bool:
     """Held-out loss against steps (left) and against cumulative inter-node bytes (right), one row per dtype.
     Returns False (and writes nothing) without matplotlib."""
@@ -109,22 +118,26 @@ def plot(records: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     dtypes = [d for d in ("fp32", "bf16") if any(r["dtype"] == d for r in records)] or ["fp32"]
+    log_bytes = any(r["setting"].startswith("diloco") for r in records)  # DiLoCo's bytes are 1/10 to 1/500 of exact's
     fig, axes = plt.subplots(len(dtypes), 2, figsize=(12, 4.2 * len(dtypes)), squeeze=False)
     for row, dtype in enumerate(dtypes):
         for r in (r for r in records if r["dtype"] == dtype):
             pts = [p for p in r["curve"] if not p["final"]]
             end = r["curve"][-1]  # all held-out windows (x); the line: the same first windows at every point
-            color, dash = _STYLE.get(r["setting"], ("tab:gray", "-."))
+            color, dash = _style(r["setting"])
             label = f"{r['setting']} (x: all held-out, {r['final_heldout_loss']:.3f})"
             axes[row][0].plot([p["step"] for p in pts], [p["heldout_loss"] for p in pts], dash, color=color, label=label)
-            axes[row][1].plot([p["cumulative_inter_node_bytes"] / 1e6 for p in pts], [p["heldout_loss"] for p in pts],
-                              dash, color=color, label=label)
+            on_bytes = [p for p in pts if not log_bytes or p["cumulative_inter_node_bytes"] > 0]
+            axes[row][1].plot([p["cumulative_inter_node_bytes"] / 1e6 for p in on_bytes],
+                              [p["heldout_loss"] for p in on_bytes], dash, color=color, label=label)
             axes[row][0].plot([end["step"]], [end["heldout_loss"]], "x", color=color)
             axes[row][1].plot([end["cumulative_inter_node_bytes"] / 1e6], [end["heldout_loss"]], "x", color=color)
         source = "kernel-counted" if all(r.get("bytes_source") == "kernel" for r in records) else "FCDP-counted"
         for col, xlabel in ((0, "optimizer step"), (1, f"cumulative inter-node MB ({source}, train + eval)")):
             ax = axes[row][col]
-            ax.set_xlabel(xlabel)
+            ax.set_xlabel(xlabel + (", log scale" if col == 1 and log_bytes else ""))
+            if col == 1 and log_bytes:
+                ax.set_xscale("log")
             ax.set_ylabel("held-out loss (nats/byte)")
             ax.set_title(f"{dtype}: held-out loss vs {'steps' if col == 0 else 'inter-node bytes'}")
             ax.grid(alpha=0.3)

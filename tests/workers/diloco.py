@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
+from fcdp_deepspeed.engine_stats import stats_of
 from fcdp_deepspeed.tools import toy
 from workers.common import DTYPES, LogCapture, fcdp_block, setup
 
@@ -33,39 +34,45 @@ def _step(engine, step: int, dtype: str, seed: int = 0) -> float:
 
 
 def _spy(sync) -> list:
-    """Record, around every real sync, this rank's fp32 masters and outer shards before and after it."""
-    records, real = [], sync.sync
+    """Record, around every step's DiLoCo hook, this rank's fp32 masters, 16-bit partitions and outer shards before
+    and after it, and which fragment sync (if any) completed."""
+    records, real = [], sync.after_step
 
     def spied(optimizer):
         snap = lambda ts: [t.detach().float().clone().view(-1) for t in ts]  # noqa: E731
         rec = {"local": snap(optimizer.fp32_partitioned_groups_flat), "outer": snap(sync.outer.params),
                "momentum": snap(sync.outer.momentum)}
-        real(optimizer)
-        rec.update(outer_after=snap(sync.outer.params), momentum_after=snap(sync.outer.momentum),
-                   master_after=snap(optimizer.fp32_partitioned_groups_flat))
+        done = real(optimizer)
+        rec.update(done=done, step=sync.steps, last=sync.last, in_flight=sync.pending is not None, outer_after=snap(sync.outer.params),
+                   momentum_after=snap(sync.outer.momentum), master_after=snap(optimizer.fp32_partitioned_groups_flat),
+                   partitions_after=snap(optimizer.fp16_partitioned_groups_flat),
+                   diloco_bytes=stats_of(optimizer).get("inter_node_diloco_bytes", 0))
         records.append(rec)
+        return done
 
-    sync.sync = spied
+    sync.after_step = spied
     return records
 
 
 def train(steps: int = 7, dtype: str = "fp32", grad_accum: int = 1, lora_rank: int = 0, loss_scale_power: int = 8,
-          persist: bool = False, **diloco) -> dict:
+          persist: bool = False, activation_checkpointing: bool = False, **diloco) -> dict:
     """Train ``steps`` steps; after every step gather this node's full model (a node-local gather)."""
     setup()
     if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
         from deepspeed.accelerator import get_accelerator
         type(get_accelerator()).is_fp16_supported = lambda self: True
     logs = LogCapture()
-    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, **diloco), lora_rank=lora_rank)
+    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, **diloco), lora_rank=lora_rank,
+                              activation_checkpointing=activation_checkpointing)
     sync = engine.optimizer.fcdp_diloco
-    records = _spy(sync)
+    every_step = _spy(sync)
     weights, losses = [], []
     for step in range(steps):
         losses.append(_step(engine, step, dtype))
         weights.append(toy.gather_weights(engine))
     stats = fcdp_deepspeed.get_stats(engine)
-    return {"records": records, "weights": weights, "losses": losses, "stats": stats,
+    return {"records": [r for r in every_step if r["done"]], "every_step": every_step,
+            "fragments": [[(p.group, p.start, p.length) for p in f] for f in sync.fragments], "weights": weights, "losses": losses, "stats": stats,
             "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
             "persistent": len(engine.optimizer.persistent_parameters),
             "forward": toy.evaluate(engine, torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(7)).to(
@@ -113,6 +120,7 @@ def checkpoint(ckpt_dir: str, save_at: int = 4, steps: int = 8, dtype: str = "fp
     engine = toy.build_engine(cfg, seed=123)  # another init: the load must overwrite everything
     engine.load_checkpoint(ckpt_dir, tag="mid")
     out["loaded_steps"] = engine.optimizer.fcdp_diloco.steps
+    out["loaded_in_flight"] = engine.optimizer.fcdp_diloco.pending is not None
     out["after"] = [_step(engine, s, dtype) for s in range(save_at, steps)]
     out["resumed_weights"] = toy.gather_weights(engine)
     out["resumed_stats"] = {k: v for k, v in fcdp_deepspeed.get_stats(engine).items() if k.startswith("diloco_")}
@@ -133,3 +141,62 @@ def one_node(**diloco) -> str:
 def core(**kwargs) -> dict:
     """One launch for the core tests: :func:`train`, then :func:`data` on a second engine."""
     return {**train(**kwargs), "data": data()}
+
+
+def _load_error(cfg: dict, ckpt_dir: str, tag: str) -> str:
+    engine = toy.build_engine(cfg, seed=123)
+    try:
+        engine.load_checkpoint(ckpt_dir, tag=tag)
+    except Exception as err:  # noqa: BLE001 - the test checks the message
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def _universal(ckpt_dir: str, tag: str) -> None:
+    """``ds_to_universal`` of ``ckpt_dir/tag`` into ``ckpt_dir/{tag}_universal`` (rank 0; the others wait)."""
+    import subprocess
+    import sys
+    if dist.get_rank() == 0:
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        f"{ckpt_dir}/{tag}", "--output_folder", f"{ckpt_dir}/{tag}_universal", "--num_extract_workers",
+                        "1", "--num_merge_workers", "1"], check=True, capture_output=True, timeout=300)
+    dist.barrier()
+
+
+def interop(ckpt_dir: str) -> dict:
+    """Checkpoints across modes: DiLoCo (H = 3) saves right after a sync, exact FCDP saves; each rigid load into the
+    other mode is refused with the fix; the universal conversion of each loads into the other (weights as saved;
+    a DiLoCo engine then trains and syncs from them); zero_to_fp32 reads the DiLoCo tag directory (node 0's files)."""
+    setup()
+    out: dict = {}
+    diloco_cfg, exact_cfg = _config(), toy.ds_config(fcdp_block(), regime="large")
+    engine = toy.build_engine(diloco_cfg)
+    for s in range(3):
+        _step(engine, s, "fp32")
+    out["diloco_weights"] = toy.gather_weights(engine)
+    engine.save_checkpoint(ckpt_dir, tag="d")
+    engine = toy.build_engine(exact_cfg)
+    for s in range(2):
+        _step(engine, s, "fp32")
+    out["exact_weights"] = toy.gather_weights(engine)
+    engine.save_checkpoint(ckpt_dir, tag="e")
+    out["exact_into_diloco"] = _load_error(diloco_cfg, ckpt_dir, "e")
+    out["diloco_into_exact"] = _load_error(exact_cfg, ckpt_dir, "d")
+    if dist.get_rank() == 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        out["zero_to_fp32"] = get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag="d")
+    for tag in ("d", "e"):
+        _universal(ckpt_dir, tag)
+    universal = {"checkpoint": {"load_universal": True}}
+    engine = toy.build_engine({**exact_cfg, **universal}, seed=123)
+    engine.load_checkpoint(ckpt_dir, tag="d_universal")
+    out["exact_from_diloco"] = toy.gather_weights(engine)
+    engine = toy.build_engine({**diloco_cfg, **universal}, seed=123)
+    engine.load_checkpoint(ckpt_dir, tag="e_universal")
+    sync = engine.optimizer.fcdp_diloco
+    out["diloco_from_exact"] = toy.gather_weights(engine)
+    out["outer_is_loaded_master"] = all(torch.equal(o, m.detach().view(-1).float()) for o, m in
+                                        zip(sync.outer.params, engine.optimizer.fp32_partitioned_groups_flat))
+    losses = [_step(engine, s, "fp32") for s in range(3)]
+    out["after_universal"] = {"losses": losses, "syncs": sync.syncs, "weights": toy.gather_weights(engine)}
+    return out
