@@ -63,16 +63,27 @@ def maybe_fail(site: str) -> None:
         raise InjectedFault(f"injected fault at {site} (call {call}) on rank {rank} ({FAULT_ENV})")
 
 
-def invalidation_broken(path: str) -> bool:
-    """Whether ``FCDP_BREAK_INVALIDATION`` names ``path`` (test-only; read at every call)."""
-    value = os.environ.get(BREAK_ENV)
+def named_broken(env: str, known: tuple[str, ...], what: str) -> bool:
+    """Whether the test-only switch ``env`` (comma-separated names out of ``known``) names ``what``; an unknown
+    name is an error (a misspelt broken variant must not pass as the working one). One lookup when unset."""
+    value = os.environ.get(env)
     if not value:
         return False
-    named = {p.strip() for p in value.split(",") if p.strip()}
-    unknown = named - set(INVALIDATION_PATHS)
-    if unknown:
-        raise ValueError(f"{BREAK_ENV}: unknown invalidation path(s) {sorted(unknown)}; known: {INVALIDATION_PATHS}")
-    return path in named
+    named = {v.strip() for v in value.split(",") if v.strip()}
+    if named - set(known):
+        raise ValueError(f"{env}: unknown {sorted(named - set(known))}; known: {known}")
+    return what in named
+
+
+def rank_delay(env: str, rank: int) -> float:
+    """Test-only skew: the seconds ``env`` (``"RANK:SECONDS"``) asks ``rank`` to wait, else 0."""
+    only, _, seconds = os.environ.get(env, "").partition(":")
+    return float(seconds) if only and int(only) == rank else 0.0
+
+
+def invalidation_broken(path: str) -> bool:
+    """Whether ``FCDP_BREAK_INVALIDATION`` names ``path`` (test-only; read at every call)."""
+    return named_broken(BREAK_ENV, INVALIDATION_PATHS, path)
 
 
 def compression_broken(path: str) -> bool:

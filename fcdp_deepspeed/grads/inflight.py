@@ -35,7 +35,6 @@ each collective on its group's stream: reading its output before ``wait()`` is a
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -46,6 +45,8 @@ import torch
 
 from deepspeed import comm as dist
 
+
+from fcdp_deepspeed import faults
 BREAK_ENV = "FCDP_BREAK_GRADS"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every inter-node gradient stage (skew, so that a
 #: read before completion shows on gloo).
@@ -57,20 +58,12 @@ BREAKS = ("read_early", "no_drain")
 
 def grads_broken(what: str) -> bool:
     """Whether ``FCDP_BREAK_GRADS`` names ``what`` (test-only; one lookup when unset)."""
-    value = os.environ.get(BREAK_ENV)
-    if not value:
-        return False
-    named = {v.strip() for v in value.split(",") if v.strip()}
-    if named - set(BREAKS):
-        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
-    return what in named
+    return faults.named_broken(BREAK_ENV, BREAKS, what)
 
 
 def issue_delay() -> None:
     """Test-only skew (``FCDP_GRAD_ISSUE_DELAY``): sleep before this rank issues an inter-node stage."""
-    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
-    if rank and int(rank) == dist.get_rank():
-        time.sleep(float(seconds))
+    time.sleep(faults.rank_delay(DELAY_ENV, dist.get_rank()))
 
 
 @dataclass(eq=False)

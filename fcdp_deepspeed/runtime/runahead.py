@@ -37,7 +37,6 @@ With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its refe
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from fcdp_deepspeed import timeline
+from fcdp_deepspeed import faults, timeline
 from fcdp_deepspeed.stats import EventCounters
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
@@ -59,18 +58,11 @@ BREAKS = ("read_early", "skip_invalidation")
 
 def push_broken(what: str) -> bool:
     """Whether ``FCDP_BREAK_PUSH`` names ``what`` (test-only; read at every call)."""
-    value = os.environ.get(BREAK_ENV)
-    if not value:
-        return False
-    named = {v.strip() for v in value.split(",") if v.strip()}
-    if named - set(BREAKS):
-        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
-    return what in named
+    return faults.named_broken(BREAK_ENV, BREAKS, what)
 
 
 def _push_delay() -> float:
-    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
-    return float(seconds) if rank and int(rank) == dist.get_rank() else 0.0
+    return faults.rank_delay(DELAY_ENV, dist.get_rank())
 
 
 @dataclass

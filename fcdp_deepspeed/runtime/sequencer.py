@@ -23,7 +23,6 @@ after it, stream-ordered without a host wait ([Note: streams] in ``gather.py``).
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import timeline
+from fcdp_deepspeed import faults, timeline
 
 BREAK_ENV = "FCDP_BREAK_GATHER"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every stage 1 (skew, so that a read before
@@ -45,20 +44,12 @@ BREAKS = ("drain_own", "stage2_early")
 
 def gather_broken(what: str) -> bool:
     """Whether ``FCDP_BREAK_GATHER`` names ``what`` (test-only; read at every call)."""
-    value = os.environ.get(BREAK_ENV)
-    if not value:
-        return False
-    named = {v.strip() for v in value.split(",") if v.strip()}
-    if named - set(BREAKS):
-        raise ValueError(f"{BREAK_ENV}: unknown {sorted(named - set(BREAKS))}; known: {BREAKS}")
-    return what in named
+    return faults.named_broken(BREAK_ENV, BREAKS, what)
 
 
 def stage1_delay() -> None:
     """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1."""
-    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
-    if rank and int(rank) == dist.get_rank():
-        time.sleep(float(seconds))
+    time.sleep(faults.rank_delay(DELAY_ENV, dist.get_rank()))
 
 
 @dataclass(eq=False)
