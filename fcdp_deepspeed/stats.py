@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -335,6 +335,20 @@ class CommLedger:
             yield
         finally:
             self._local.tag = previous
+
+    def sinks(self) -> tuple:
+        """The sinks this thread's collectives count into now: a collective issued later on another call path
+        (a deferred stage 2, ``runtime/sequencer.py``) is counted where it was asked for with
+        :meth:`attribute_all`."""
+        return getattr(self._local, "sinks", ())
+
+    @contextmanager
+    def attribute_all(self, sinks: Sequence[CommCounters]) -> Iterator[None]:
+        """:meth:`attribute` for each of ``sinks``."""
+        with ExitStack() as stack:
+            for sink in sinks:
+                stack.enter_context(self.attribute(sink))
+            yield
 
     @contextmanager
     def attribute(self, sink: CommCounters) -> Iterator[None]:
