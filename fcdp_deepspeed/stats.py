@@ -336,20 +336,6 @@ class CommLedger:
         finally:
             self._local.tag = previous
 
-    def sinks(self) -> tuple:
-        """The sinks this thread's collectives count into now: a collective issued later on another call path
-        (a deferred stage 2, ``runtime/sequencer.py``) is counted where it was asked for with
-        :meth:`attribute_all`."""
-        return getattr(self._local, "sinks", ())
-
-    @contextmanager
-    def attribute_all(self, sinks: Sequence[CommCounters]) -> Iterator[None]:
-        """:meth:`attribute` for each of ``sinks``."""
-        with ExitStack() as stack:
-            for sink in sinks:
-                stack.enter_context(self.attribute(sink))
-            yield
-
     @contextmanager
     def attribute(self, sink: CommCounters) -> Iterator[None]:
         """Also count collectives issued by this thread inside the block into ``sink``."""
@@ -366,6 +352,22 @@ class CommLedger:
 
 #: The process-wide ledger (one communication backend per process).
 LEDGER = CommLedger()
+
+
+def current_sinks() -> tuple:
+    """The counters this thread's collectives count into now (:meth:`CommLedger.attribute`): a collective issued
+    later on another call path (a deferred stage 2, ``runtime/sequencer.py``) is counted where it was asked for
+    with :func:`attributed_to`."""
+    return getattr(LEDGER._local, "sinks", ())
+
+
+@contextmanager
+def attributed_to(sinks: Sequence[CommCounters]) -> Iterator[None]:
+    """:meth:`CommLedger.attribute` for each of ``sinks``."""
+    with ExitStack() as stack:
+        for sink in sinks:
+            stack.enter_context(LEDGER.attribute(sink))
+        yield
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch
 from deepspeed import comm as dist
 
 from fcdp_deepspeed import faults, timeline
-from fcdp_deepspeed.stats import LEDGER
+from fcdp_deepspeed.stats import attributed_to, current_sinks
 
 BREAK_ENV = "FCDP_BREAK_GATHER"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every stage 1 (skew, so that a read before
@@ -68,7 +68,7 @@ class Deferred:
     #: Test-only (``FCDP_BREAK_PUSH=read_early``): stage 2 does not wait for stage 1.
     early: bool = False
     stage2: Any = None
-    #: The engines' counters the fetch that queued it counted into (``stats.CommLedger.sinks``): stage 2 is issued
+    #: The engines' counters the fetch that queued it counted into (``stats.current_sinks``): stage 2 is issued
     #: later, inside DeepSpeed's wait, and is still that engine's collective.
     sinks: tuple = ()
 
@@ -91,7 +91,7 @@ class StageTwo:
     def add(self, flat: torch.Tensor, bundle: torch.Tensor, stage1: Any, pushed: bool = False,
             early: bool = False) -> Deferred:
         """Queue the stage 2 of a gather whose stage 1 was issued (in issue order)."""
-        entry = Deferred(self, flat, bundle, stage1, pushed, early, sinks=LEDGER.sinks())
+        entry = Deferred(self, flat, bundle, stage1, pushed, early, sinks=current_sinks())
         with self._lock:
             self.pending.append(entry)
         return entry
@@ -119,5 +119,5 @@ class StageTwo:
             else:
                 entry.stage1.wait()
             entry.stage1 = None
-        with LEDGER.attribute_all(entry.sinks):
+        with attributed_to(entry.sinks):
             entry.stage2 = dist.allgather_fn(entry.flat, entry.bundle, group=self.node_group, async_op=True)
