@@ -180,12 +180,11 @@ class SlotPool:
     def reap(self) -> int:
         """Drop retired chunks whose last copy has completed (non-blocking); return the bytes freed. Freed
         pinned chunks go back to the system (torch's caching host allocator would keep them cached)."""
-        done = [(c, ev) for c, ev in self.retired if device.event_done(ev)]
+        done, self.retired = device.split_done(self.retired)
         if not done:
             return 0
-        self.retired = [(c, ev) for c, ev in self.retired if all(c is not d for d, _ in done)]
         freed = 0
-        for chunk, _ in done:
+        for chunk in done:
             freed += chunk.numel() * chunk.element_size()
             if self.placement is Placement.HOST:
                 device.drop_host(chunk)

@@ -304,5 +304,13 @@ def drop_host(t: torch.Tensor) -> None:
     _DOOR.drop_host(t)
 
 
+def split_done(retired: list[tuple[torch.Tensor, Any]]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, Any]]]:
+    """``(tensor, event)`` pairs of retired host memory -> the tensors whose last copy finished (non-blocking,
+    :func:`event_done`) and the pairs left waiting (a tensor is done with every pair that names it). The caller drops
+    the done ones (:func:`drop_host`); [Note: deferred release] in ``cache.py``."""
+    done = [t for t, ev in retired if event_done(ev)]
+    return done, [(t, ev) for t, ev in retired if all(t is not d for d in done)]
+
+
 def empty_host_cache() -> None:
     _DOOR.empty_host_cache()

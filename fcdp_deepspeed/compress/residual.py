@@ -235,10 +235,9 @@ def move_residuals(store: ResidualStore, budget: int) -> int:
 
 def reap_residuals(store: ResidualStore) -> None:
     """Drop the host allocation the move emptied once its copy completed (non-blocking)."""
-    done = [(t, ev) for t, ev in store.retired if device.event_done(ev)]
+    done, store.retired = device.split_done(store.retired)
     if done:
-        store.retired = [(t, ev) for t, ev in store.retired if all(t is not d for d, _ in done)]
-        for t, _ in done:
+        for t in done:
             device.drop_host(t)
         del t, done
 

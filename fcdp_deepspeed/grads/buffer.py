@@ -154,10 +154,9 @@ class NodeGradBuffer:
     def reap(self) -> None:
         """Drop retired host chunks whose last copy has completed (non-blocking; [Note: deferred release] in
         ``cache.py``)."""
-        done = [(c, ev) for c, ev in self.retired if device.event_done(ev)]
+        done, self.retired = device.split_done(self.retired)
         if done:
-            self.retired = [(c, ev) for c, ev in self.retired if all(c is not d for d, _ in done)]
-            for chunk, _ in done:
+            for chunk in done:
                 device.drop_host(chunk)
             del chunk, done
             device.empty_host_cache()
