@@ -84,7 +84,7 @@ def test_break_switch_names_are_checked(monkeypatch):
     monkeypatch.setenv(faults.BREAK_ENV, "checkpoint, refresh")
     assert faults.invalidation_broken("refresh") and not faults.invalidation_broken("step_end")
     monkeypatch.setenv(faults.BREAK_ENV, "chekpoint")
-    with pytest.raises(ValueError, match="unknown invalidation path"):
+    with pytest.raises(ValueError, match="FCDP_BREAK_INVALIDATION: unknown"):
         faults.invalidation_broken("checkpoint")
     monkeypatch.delenv(faults.BREAK_ENV)
     assert not faults.invalidation_broken("checkpoint")
