@@ -15,11 +15,11 @@ from importlib import import_module
 
 #: Public names -> the module that defines them, imported on first access.
 _LAZY = {
-    "get_stats": "fcdp_deepspeed.api", "is_installed": "fcdp_deepspeed.api",
-    "enable_comm_counting": "fcdp_deepspeed.api", "FCDPConfig": "fcdp_deepspeed.config",
+    "get_stats": "fcdp_deepspeed.activation.api", "is_installed": "fcdp_deepspeed.activation.api",
+    "enable_comm_counting": "fcdp_deepspeed.activation.api", "FCDPConfig": "fcdp_deepspeed.config",
     "FCDPConfigError": "fcdp_deepspeed.config", "parse_fcdp_config": "fcdp_deepspeed.config",
-    "StaleCacheError": "fcdp_deepspeed.runtime", "TopologyError": "fcdp_deepspeed.topology",
-    "__version__": "fcdp_deepspeed.version", "exact_gathers": "fcdp_deepspeed.evaluation",
+    "StaleCacheError": "fcdp_deepspeed.runtime", "TopologyError": "fcdp_deepspeed.machine.topology",
+    "__version__": "fcdp_deepspeed.version", "exact_gathers": "fcdp_deepspeed.engine.evaluation",
 }
 
 __all__ = ["install", "uninstall", "initialize", *_LAZY]
@@ -27,15 +27,17 @@ __all__ = ["install", "uninstall", "initialize", *_LAZY]
 
 def install() -> None:
     """Make ``deepspeed.initialize`` build FCDP's stage-3 classes for configs with an enabled block
-    (:func:`fcdp_deepspeed.api.install`), and give HF Trainers with one the stats callback. Idempotent."""
-    from fcdp_deepspeed import api, integrations
+    (:func:`fcdp_deepspeed.activation.api.install`), and give HF Trainers with one the stats callback. Idempotent."""
+    from fcdp_deepspeed import integrations
+    from fcdp_deepspeed.activation import api
     api.install()
     integrations.install()
 
 
 def uninstall() -> None:
     """Undo :func:`install` for engines and Trainers created afterwards."""
-    from fcdp_deepspeed import api, integrations
+    from fcdp_deepspeed import integrations
+    from fcdp_deepspeed.activation import api
     api.uninstall()
     integrations.uninstall()
 

@@ -2,7 +2,7 @@
 """Run the release smoke subset on every DeepSpeed release in the declared range (resumable).
 
 Each release: ``scripts/check_deepspeed_release.sh VERSION`` (a venv of its own, the smoke tests), its
-result written at once to ``fcdp_deepspeed/deepspeed_releases.json`` and the table in
+result written at once to ``fcdp_deepspeed/activation/deepspeed_releases.json`` and the table in
 ``docs/deepspeed-releases.md``; releases already recorded are skipped (``--rerun`` runs them again).
 Order: the newest patch of each minor first, then the others round-robin across minors, newest first.
 The version gate then admits exactly the releases recorded as passed.
@@ -10,7 +10,7 @@ The version gate then admits exactly the releases recorded as passed.
     nice -n 19 ionice -c 3 python3 scripts/check_all_releases.py --deadline 18:35 > release-check.log 2>&1 &
     python3 scripts/check_all_releases.py --sync    # then: pyproject.toml and .ci/run admit what passed
 
-Standard library only. Candidates come from ``fcdp_deepspeed/deepspeed_releases.json`` (``candidates``), or
+Standard library only. Candidates come from ``fcdp_deepspeed/activation/deepspeed_releases.json`` (``candidates``), or
 ``--versions``. The release venv is deleted after its run unless ``--keep-venvs``.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ DESELECT = "not test_release_is_listed and not test_ci_checks"
 
 
 def _table_module():
-    spec = importlib.util.spec_from_file_location("version_gate", ROOT / "fcdp_deepspeed" / "version_gate.py")
+    spec = importlib.util.spec_from_file_location("version_gate", ROOT / "fcdp_deepspeed" / "activation" / "version_gate.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -110,7 +110,7 @@ def sync(table: dict) -> None:
     """Write what the table admits into pyproject.toml's deepspeed requirement and .ci/run's ``versions=(...)``
     (tests/test_packaging.py and tests/test_release_smoke.py check both)."""
     sys.path.insert(0, str(ROOT))
-    from fcdp_deepspeed import version_gate  # noqa: E402  (reads the same table)
+    from fcdp_deepspeed.activation import version_gate  # noqa: E402  (reads the same table)
     pyproject = ROOT / "pyproject.toml"
     text = re.sub(r'^    "deepspeed[^"]*",$', f'    "{version_gate.deepspeed_requirement()}",', pyproject.read_text(),
                   count=1, flags=re.M)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import run_ranks
-from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS
+from fcdp_deepspeed.activation.version_gate import TESTED_DEEPSPEED_VERSIONS
 
 
 def test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize():
@@ -39,7 +39,7 @@ def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
 UNTESTED_RELEASE = r'''
 import json, sys, types, warnings
 import deepspeed
-from fcdp_deepspeed import autoload
+from fcdp_deepspeed.activation import autoload
 
 calls = []
 deepspeed.initialize = lambda *args, **kwargs: calls.append(kwargs) or "engine"   # stands for DeepSpeed's
@@ -47,7 +47,7 @@ deepspeed.__version__ = "0.99.0"                                                
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     autoload.on_deepspeed_imported(deepspeed)
-out = {"warnings": [str(w.message) for w in caught], "core_imported": "fcdp_deepspeed.api" in sys.modules}
+out = {"warnings": [str(w.message) for w in caught], "core_imported": "fcdp_deepspeed.activation.api" in sys.modules}
 with open(sys.argv[1], "w") as f:
     json.dump({"fcdp": {"enabled": True}}, f)
 errors = {}
@@ -115,12 +115,12 @@ def test_untested_deepspeed_release_warns_and_refuses_only_an_enabled_block(tmp_
 ENTRY_ORDER = r"""
 import sys
 {first}
-api = sys.modules.get("fcdp_deepspeed.api")
+api = sys.modules.get("fcdp_deepspeed.activation.api")
 print("INSTALLED", bool(api and api.is_installed()))
 """
 
 
-@pytest.mark.parametrize("first", ["import deepspeed", "import fcdp_deepspeed.stage3",
+@pytest.mark.parametrize("first", ["import deepspeed", "import fcdp_deepspeed.engine.stage3",
                                    "from fcdp_deepspeed.config import parse_fcdp_config",
                                    "import fcdp_deepspeed; fcdp_deepspeed.get_stats"])
 def test_startup_hook_installs_whichever_module_imports_deepspeed_first(first):

@@ -17,8 +17,8 @@ import torch
 from conftest import run_ranks
 from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
 from fcdp_deepspeed.grads import build_reducer
+from fcdp_deepspeed.machine.topology import Topology
 from fcdp_deepspeed.runtime.routing import Route, split_fetch
-from fcdp_deepspeed.topology import Topology
 
 
 class _Gather:

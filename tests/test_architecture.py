@@ -133,13 +133,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_checks_see_the_whole_package():
     core = core_modules()
-    for expected in ("fcdp_deepspeed.api", "fcdp_deepspeed.stage3", "fcdp_deepspeed.runtime",
-                     "fcdp_deepspeed.runtime.fetch", "fcdp_deepspeed.autoload", "fcdp_deepspeed.version_gate"):
+    for expected in ("fcdp_deepspeed.activation.api", "fcdp_deepspeed.engine.stage3", "fcdp_deepspeed.runtime",
+                     "fcdp_deepspeed.runtime.fetch", "fcdp_deepspeed.activation.autoload", "fcdp_deepspeed.activation.version_gate"):
         assert expected in core, sorted(core)
     graph = import_graph()
-    assert {"fcdp_deepspeed.stage3", "fcdp_deepspeed.engine_stats"} <= graph["fcdp_deepspeed.api"]
+    assert {"fcdp_deepspeed.engine.stage3", "fcdp_deepspeed.reporting.engine_stats"} <= graph["fcdp_deepspeed.activation.api"]
     assert "fcdp_deepspeed.runtime.fetch" in graph["fcdp_deepspeed.runtime"]
-    assert "fcdp_deepspeed.api" not in graph[FACADE]  # lazy: inside functions only
+    assert "fcdp_deepspeed.activation.api" not in graph[FACADE]  # lazy: inside functions only
 
 
 def test_no_import_circle_in_the_package():
@@ -217,8 +217,8 @@ def test_startup_hook_imports_only_the_standard_library():
             continue
         top = {n.split(".")[0] for n in module_level_imports(modules[name], name)}
         assert top <= set(sys.stdlib_module_names) | {PACKAGE}, (name, top)
-    assert reached <= {PACKAGE, "fcdp_deepspeed.autoload", "fcdp_deepspeed.post_import",
-                       "fcdp_deepspeed.version_gate", INTEGRATIONS}, sorted(reached)
+    assert reached <= {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload", "fcdp_deepspeed.activation.post_import",
+                       "fcdp_deepspeed.activation.version_gate", INTEGRATIONS}, sorted(reached)
     assert len(STARTUP_FILE.read_text().splitlines()) <= 40
 
 
@@ -234,7 +234,7 @@ def test_startup_hook_loads_no_torch_deepspeed_or_transformers():
                           cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(eval(proc.stdout.strip().splitlines()[-1]))
-    assert loaded == {PACKAGE, "fcdp_deepspeed.autoload", "fcdp_deepspeed.post_import", "fcdp_deepspeed.version_gate",
+    assert loaded == {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload", "fcdp_deepspeed.activation.post_import", "fcdp_deepspeed.activation.version_gate",
                       INTEGRATIONS}, loaded
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.launch import free_port
+from fcdp_deepspeed.tools.harness.launch import free_port
 from fcdp_deepspeed.version import __version__
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_toy.py"
 HEAVY = ("torch", "deepspeed", "transformers", "numpy")
 #: What the startup hook loads of this package: its lazy ``__init__`` and standard-library-only modules.
-STARTUP_MODULES = ["fcdp_deepspeed", "fcdp_deepspeed.autoload", "fcdp_deepspeed.integrations",
-                   "fcdp_deepspeed.post_import", "fcdp_deepspeed.version_gate"]
+STARTUP_MODULES = ["fcdp_deepspeed", "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload",
+                   "fcdp_deepspeed.activation.post_import", "fcdp_deepspeed.activation.version_gate",
+                   "fcdp_deepspeed.integrations"]
 KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 

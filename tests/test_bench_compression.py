@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from fcdp_deepspeed.tools import bench
-from fcdp_deepspeed.tools.bench_compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, compression_stats,
+from fcdp_deepspeed.tools.bench import bench
+from fcdp_deepspeed.tools.bench.compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, compression_stats,
                                                     parse_layouts, targets, targets_markdown)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools import timeline_plot
+from fcdp_deepspeed.tools.bench import timeline_plot
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RUNS = ("bench_overlap_ga1_results.json", "bench_overlap_prefetch_results.json", "bench_overlap_ga4_results.json")

@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-from fcdp_deepspeed.tools import cli, doctor, planner
-from fcdp_deepspeed.tools.plan_compression import compressed_step
+from fcdp_deepspeed.tools import cli, doctor
+from fcdp_deepspeed.tools.plan import planner
+from fcdp_deepspeed.tools.plan.compression import compressed_step
 
 PLAN = ["--params", "7B", "--nodes", "4", "--ranks-per-node", "8"]
 

@@ -19,7 +19,7 @@ from conftest import run_ranks
 from fcdp_deepspeed.compress import codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore
 from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
-from fcdp_deepspeed.plan import check_grad_compression, resolve_grad_plan
+from fcdp_deepspeed.grads.plan import check_grad_compression, resolve_grad_plan
 
 NODE = {"grad_accumulation": "node"}  # grad_reduce auto: hierarchical on 2 x 2
 HIER = {"grad_reduce": "hierarchical", "grad_accumulation": "rank"}

@@ -304,10 +304,9 @@ def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s
     copy of their span) and an accelerator one, block padding between parameters, a partition past the parameter's
     end (its uninitialized elements NaN here) and one with no element of it, every parameter dtype."""
     from codec_reference import reference_stage1
-    from fcdp_deepspeed.cache import Placement
-    from fcdp_deepspeed.compress import codec_for
-    from fcdp_deepspeed.compress import params as compress_params
+    from fcdp_deepspeed.compress import codec_for, params as compress_params
     from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceStore, RefState
+    from fcdp_deepspeed.storage.cache import Placement
     world = 2 * nodes
     dp_index = world - 1  # the last rank: partitions past the parameters' ends
     gen = torch.Generator().manual_seed(nodes + me)

@@ -7,7 +7,7 @@ import pytest
 
 from fcdp_deepspeed.config import (Budget, FCDPConfigError, check_ds_config_compatible, load_ds_config,
                                    parse_fcdp_config)
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.tools.harness import toy
 
 
 def test_absent_or_disabled_block_is_plain():
@@ -119,7 +119,7 @@ def test_compatible_config_passes():
 
 
 def test_version_gate(monkeypatch):
-    from fcdp_deepspeed.version_gate import ALLOW_UNTESTED_ENV, UnsupportedDeepSpeedVersion, check_deepspeed_version
+    from fcdp_deepspeed.activation.version_gate import ALLOW_UNTESTED_ENV, UnsupportedDeepSpeedVersion, check_deepspeed_version
     monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
     assert check_deepspeed_version("0.19.8") == "0.19.8"
     with pytest.raises(UnsupportedDeepSpeedVersion, match="deepspeed==0.19.8"):
@@ -150,7 +150,7 @@ def test_hf_log_entries_from_stats():
     assert stats_for_logs(stats) == {"fcdp/inter_node_allgather_bytes": 10, "fcdp/intra_node_allgather_bytes": 20,
                                      "fcdp/host_cache_bytes": 3, "fcdp/device_cache_bytes": 0, "fcdp/cache_hit_rate": 0.75,
                                      "fcdp/cache_hits": 3, "fcdp/cache_misses": 1}
-    from fcdp_deepspeed.monitor import monitor_events
+    from fcdp_deepspeed.reporting.monitor import monitor_events
     assert {name for name, _, _ in monitor_events(stats, 1)} == set(stats_for_logs(stats))  # one set of names
     assert stats_for_logs({})["fcdp/cache_hit_rate"] == 0.0
 
@@ -213,13 +213,13 @@ def test_misplaced_or_misspelled_block_is_refused_where_deepspeed_parses_configs
 
 
 def test_an_uncaught_config_error_is_one_line_per_rank(monkeypatch, capsys):
-    """What each rank prints when the block is refused (fcdp_deepspeed/excepthook.py): one line naming the key
+    """What each rank prints when the block is refused (fcdp_deepspeed/activation/excepthook.py): one line naming the key
     and the fix, no traceback; FCDP_TRACEBACK=1 (the broken variant, as before) hands it to the previous hook."""
     import os
     import subprocess
     import sys
 
-    from fcdp_deepspeed import excepthook
+    from fcdp_deepspeed.activation import excepthook
     code = ("import deepspeed, fcdp_deepspeed; fcdp_deepspeed.install(); "
             "from fcdp_deepspeed.config import parse_fcdp_config; parse_fcdp_config({'fcdp': {'enabled': 'yes'}})")
     short = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="3", DS_ACCELERATOR="cpu"),

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from fcdp_deepspeed.tools import converge, converge_reference, converge_report, textdata, tinylm
-from fcdp_deepspeed.tools.model_hash import all_equal
+from fcdp_deepspeed.tools.converge import (converge, reference as converge_reference, report as converge_report,
+        textdata, tinylm)
+from fcdp_deepspeed.tools.converge.model_hash import all_equal
 
 
 def test_split_is_deterministic_disjoint_and_covers_the_corpus():
@@ -98,7 +99,7 @@ def test_results_writer_summary_and_resume(tmp_path, monkeypatch):
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a recorded setting with the same spec was run again")
-    monkeypatch.setattr("fcdp_deepspeed.tools.launch.run_local", no_launch)
+    monkeypatch.setattr("fcdp_deepspeed.tools.harness.launch.run_local", no_launch)
     got = converge.run_converge(spec, tmp_path, netns=False, log=lambda *_: None)
     assert [r["key"] for r in got] == ["exact-fp32", "int4-fp32"]
     # a record of the same spec trained by the unrotated int4 codec (written before records named their codecs) is

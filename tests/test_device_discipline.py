@@ -1,7 +1,7 @@
 """Strict device mode (``FCDP_STRICT_DEVICE=1``): the CUDA discipline of FCDP's host/accelerator traffic,
 checked on the CPU accelerator, 2 nodes x 2 ranks, through ``deepspeed.initialize``.
 
-The strict door (``fcdp_deepspeed.strict_device``) makes the door's host memory a ``HostTensor``: mixing it
+The strict door (``fcdp_deepspeed.machine.strict_device``) makes the door's host memory a ``HostTensor``: mixing it
 with accelerator tensors raises, a collective refuses it (as NCCL would), staging host slots before a
 gather runs as on CUDA, and every blocking host/accelerator operation is logged with its call site. Steady
 state: from the second optimizer step on (the first fills the cache and builds the reduction index).
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from fcdp_deepspeed import device
-from fcdp_deepspeed.tools.launch import RankFailure
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.tools.harness.launch import RankFailure
 
 #: DeepSpeed's throughput timer synchronizes the device at every forward and step from step 2 (on CUDA too):
 #: off, so FCDP's own stream orderings are what the stream-order model checks.
@@ -52,8 +52,8 @@ RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)
 SITE = r"[\w/.]+:\d+ \w+ \(position \d+\)"
 ORDERINGS = {
     # the staged copy (copy stream) waits for the fill's event (releasing stream)
-    "fill_ready": (r"read of pinned host memory on stream 'fcdp_param_h2d' at fcdp_deepspeed/cache.py:\d+ staged .* is "
-                   r"not ordered after its write on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill"),
+    "fill_ready": (r"read of pinned host memory on stream 'fcdp_param_h2d' at storage/cache.py:\d+ staged .* is "
+                   r"not ordered after its write on stream 'fcdp_fill' at storage/cache.py:\d+ _fill"),
     # the two-stage gather's partition copies (issuing stream) wait for the optimizer step's event
     # (a probe on every rank after the clean steps, workers/device_discipline.py _optimizer_event_probe)
     "optimizer_event": (r"read of [\w ]+ on stream 'ds_allgather_probe' at [\w/.]+:\d+ \w+ .* is not ordered after "
@@ -72,8 +72,8 @@ ORDERINGS = {
     "codec_inter_node_wait": (r"read of [\w ]+ on stream 'ds_reduce_and_partition' at compress/\w+.py:\d+ \w+ .* is "
                               r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
-    "deferred_release": (r"pinned host memory dropped at fcdp_deepspeed/cache.py:\d+ reap while its use on stream "
-                         r"'default' at fcdp_deepspeed/cache.py:\d+ move"),
+    "deferred_release": (r"pinned host memory dropped at storage/cache.py:\d+ reap while its use on stream "
+                         r"'default' at storage/cache.py:\d+ move"),
 }
 RESIDUAL = ["residual_ready", "residual_value", "codec_inter_node_wait"]
 BREAKS = [{"scenario": BY_NAME["host_full_node_gated"],
@@ -202,7 +202,7 @@ def test_blocking_residual_copy_is_counted():
 
 def test_strict_door_tells_host_from_accelerator():
     """In-process: the subclass survives ops, mixing raises, the door's copies cross, pageable copies are logged."""
-    from fcdp_deepspeed import strict_device as sd
+    from fcdp_deepspeed.machine import strict_device as sd
     door = sd.StrictDoor()
     host = door.pin_empty(4, torch.float32).zero_()
     assert isinstance(torch.cat([host, host]), sd.HostTensor) and isinstance(host.double()[1:], sd.HostTensor)
@@ -220,7 +220,7 @@ def test_strict_door_tells_host_from_accelerator():
 @contextmanager
 def _collected():
     """The stream-order model with violations collected (in-process), the tracker on for the block."""
-    from fcdp_deepspeed import strict_streams as ss
+    from fcdp_deepspeed.machine import strict_streams as ss
     with ss.tracking() as model:
         model.raise_errors, mark = False, len(model.violations)
         found: list[str] = []
@@ -235,7 +235,7 @@ def _collected():
 def test_stream_model_reports_each_kind_with_both_sites():
     """In-process: a read on another stream before a wait, a host read of pinned memory before its copy's event,
     a free while another stream used it without record_stream; each fixed by the ordering it lacked."""
-    from fcdp_deepspeed import strict_device as sd
+    from fcdp_deepspeed.machine import strict_device as sd
     door = sd.StrictDoor()
     here = r"tests/test_device_discipline.py:\d+ test_stream_model_reports_each_kind_with_both_sites"
     side = door.side_stream("test")
@@ -275,8 +275,8 @@ def _filled_entry(door, host_wait):
     """A host cache slot filled through NodeCache (verify mode: the host checksums the slot after its fill)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from fcdp_deepspeed.cache import CacheEntry, NodeCache, Placement, SlotPool
-    from fcdp_deepspeed.stats import CacheCounters
+    from fcdp_deepspeed.reporting.stats import CacheCounters
+    from fcdp_deepspeed.storage.cache import CacheEntry, NodeCache, Placement, SlotPool
     param = torch.nn.Parameter(torch.arange(8.0))
     param.ds_id, param.ds_numel, param.ds_status, param.ds_secondary_tensor = 0, 8, ZeroParamStatus.AVAILABLE, None
     cache = NodeCache(rank_in_node=0, counters=CacheCounters(), checksums=True)
@@ -291,15 +291,15 @@ def _filled_entry(door, host_wait):
 def test_verify_checksum_waits_for_the_fill():
     """Verify mode's host checksum reads the pinned slot: after ``host_wait(entry.ready)``, never before (broken
     variant: the host wait dropped)."""
-    from fcdp_deepspeed import strict_device as sd
+    from fcdp_deepspeed.machine import strict_device as sd
     door = sd.StrictDoor()
     with _collected() as found:
         entry = _filled_entry(door, door.host_wait)
     assert found == [] and entry.checksum == 0.0 + 1 + 2 + 3
     with _collected() as found:
         _filled_entry(door, lambda event: None)
-    assert found and re.search(r"read of pinned host memory on stream 'host' at fcdp_deepspeed/cache.py:\d+ _fill .* "
-                               r"after its write on stream 'fcdp_fill' at fcdp_deepspeed/cache.py:\d+ _fill", found[0]), found
+    assert found and re.search(r"read of pinned host memory on stream 'host' at storage/cache.py:\d+ _fill .* "
+                               r"after its write on stream 'fcdp_fill' at storage/cache.py:\d+ _fill", found[0]), found
 
 
 @pytest.mark.parametrize("placement", ["host", "device"])
@@ -312,9 +312,9 @@ def test_fill_runs_on_its_stream_ordered_by_events(placement, broken):
     source is ``record_stream``-ed on the fill stream, the reader waits for the fill."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from fcdp_deepspeed import strict_device as sd
-    from fcdp_deepspeed.cache import CacheEntry, NodeCache, Placement, SlotPool
-    from fcdp_deepspeed.stats import CacheCounters
+    from fcdp_deepspeed.machine import strict_device as sd
+    from fcdp_deepspeed.reporting.stats import CacheCounters
+    from fcdp_deepspeed.storage.cache import CacheEntry, NodeCache, Placement, SlotPool
     door = sd.StrictDoor()
     wait_event, record_stream = door.wait_event, door.record_stream
     on = lambda name: door.current_stream().name == name  # noqa: E731
@@ -350,7 +350,7 @@ def test_fill_runs_on_its_stream_ordered_by_events(placement, broken):
         del pool
         gc.collect()
     here = r"tests/test_device_discipline.py:\d+ test_fill_runs_on_its_stream_ordered_by_events"
-    fill = r"fcdp_deepspeed/cache.py:\d+ _fill"
+    fill = r"storage/cache.py:\d+ _fill"
     expected = {
         "": None,
         "fill_producer": rf"read of tensor on stream 'fcdp_fill' at {fill} .* not ordered after its write on stream "

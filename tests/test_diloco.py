@@ -137,7 +137,7 @@ def test_every_rank_draws_its_own_samples_and_the_batch_stays_global(fp32):
 
 def _checkpoint_run(ckpt_dir: str, env: dict | None = None) -> list:
     from conftest import TESTS_DIR, worker_target
-    from fcdp_deepspeed.tools.launch import run_local
+    from fcdp_deepspeed.tools.harness.launch import run_local
     return run_local(worker_target("diloco:checkpoint"), 4, dict(ckpt_dir=ckpt_dir, save_at=4, steps=8, sync_every=H,
                                                                  compression="int8"),
                      timeout=240, env=env, pythonpath=[TESTS_DIR])
@@ -161,7 +161,7 @@ def test_checkpoint_with_deepspeeds_file_ownership_does_not_resume_exactly(tmp_p
     """The broken variant: only node 0's files, read by every node (DeepSpeed's naming over the node group). Node 1
     then finds node 0's DiLoCo part (another node's layout), restarts its outer state from node 0's mid-interval
     weights, and the load's agreement check refuses the nodes' different outer parameters."""
-    from fcdp_deepspeed.tools.launch import RankFailure
+    from fcdp_deepspeed.tools.harness.launch import RankFailure
     with pytest.raises(RankFailure, match="different outer parameters after the checkpoint load"):
         _checkpoint_run(str(tmp_path), env={"FCDP_BREAK_DILOCO": "node_files"})
 
@@ -231,7 +231,7 @@ def test_committed_byte_measurements_meet_the_targets_and_the_doc_quotes_them():
 
 def test_fcdp_plan_prints_the_per_rank_memory_of_zero3_over_the_node(tmp_path, capsys):
     import json
-    from fcdp_deepspeed.tools import planner
+    from fcdp_deepspeed.tools.plan import planner
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
                                "fcdp": {"enabled": True, "diloco": {"sync_every": 100, "compression": "int4"}}}))
@@ -280,7 +280,7 @@ def test_committed_convergence_sweep_and_the_doc_quote_each_other():
     within the issue's 2%."""
     import json
     from pathlib import Path
-    from fcdp_deepspeed.tools import converge, converge_report
+    from fcdp_deepspeed.tools.converge import converge, report as converge_report
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "docs" / "converge_diloco_results.json").read_text())
     doc = (root / "docs" / "DILOCO.md").read_text()

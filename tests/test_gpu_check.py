@@ -14,7 +14,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from conftest import run_ranks
-from fcdp_deepspeed.tools import gpu_trace
+from fcdp_deepspeed.tools.gpu import trace as gpu_trace
 
 SCRIPT = str(Path(__file__).parent.parent / "scripts" / "gpu_check.py")
 
@@ -83,7 +83,7 @@ def test_case_a_fails_a_broken_flush(kind, failing):
     assert checks[failing][0] is False
     if kind == "refused":  # reported with the call site, the JSON still written
         assert "No backend type" in checks[failing][1] and "workers/gpu_check.py" not in checks[failing][1]
-        assert "at fcdp_deepspeed/tools/gpu_cases.py" in checks[failing][1]
+        assert "at fcdp_deepspeed/tools/gpu/cases.py" in checks[failing][1]
     else:
         assert checks["param 0: equals the reference sum"][0] is True
 
@@ -122,18 +122,18 @@ def test_gather_timeline_from_ranges_and_kernels():
 
 
 def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
-    from fcdp_deepspeed.tools.gpu_sanitizer import _fcdp_frames
+    from fcdp_deepspeed.tools.gpu.sanitizer import _fcdp_frames
     report = ('CUDASanitizerErrors: Detected 1 error\n  File "/x/deepspeed/runtime/zero/stage3.py", line 1, in step\n'
-              '  File "/x/fcdp_deepspeed/tools/gpu_fake_pg.py", line 2, in train_step\n')
+              '  File "/x/fcdp_deepspeed/tools/gpu/fake_pg.py", line 2, in train_step\n')
     assert _fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
-    assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/cache.py", line 3, in staged\n') == [
-        'File "/x/fcdp_deepspeed/cache.py", line 3, in staged']
+    assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged\n') == [
+        'File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged']
 
 
 def test_steady_state_of_skipped_steps_fails_case_b():
     """Case (b) must not pass on a steady state that is all hits because its steps were skipped (no weights
     written, nothing invalidated, nothing refilled)."""
-    from fcdp_deepspeed.tools.gpu_fake_pg import steady_state_problem
+    from fcdp_deepspeed.tools.gpu.fake_pg import steady_state_problem
     applied = {"skipped": [0, 0, 0], "fills": [12, 8, 8], "hits": [4, 16, 16]}
     assert steady_state_problem(applied) == ""
     assert "skipped" in steady_state_problem({**applied, "skipped": [0, 1, 0]})
@@ -144,7 +144,7 @@ def test_steady_state_of_skipped_steps_fails_case_b():
 def test_sanitizer_case_runs_the_fcdp_variants_with_the_flat_gather():
     """[Note: the sanitizer and the two-stage gather]: the known false race is not run; every FCDP variant is."""
     import inspect
-    from fcdp_deepspeed.tools import gpu_sanitizer
+    from fcdp_deepspeed.tools.gpu import sanitizer as gpu_sanitizer
     source = inspect.getsource(gpu_sanitizer.sanitizer_case)
     assert 'flat = {"param_gather": "flat"}' in source and source.count("**flat}") == 2
 

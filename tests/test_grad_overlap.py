@@ -2,7 +2,7 @@
 with ``async_op=True`` and delivered later in FIFO order, on real gloo groups (2 nodes x 2, rank 2 issuing late).
 
 Values: every element is summed in the same order whatever its bucket and whenever its stage completes ([Note:
-bucket-sized work] in ``grads/steps.py``), so the overlapped path is bit-identical to the synchronous one (DeepSpeed's
+bucket-sized work] in ``engine/grad_steps.py``), so the overlapped path is bit-identical to the synchronous one (DeepSpeed's
 one bucket, each stage waited for where it is issued) under node and per-rank accumulation, with a block that gets no
 gradient in the boundary micro-step (the flush) and with reentrant checkpointing (several epilogues per backward);
 ``grad_reduce: flat`` keeps DeepSpeed's buckets and stays bit-identical to ZeRO-3. Broken variants
@@ -87,7 +87,7 @@ def test_bad_values_name_the_key(key, value):
 
 def test_auto_bucket_cap():
     """[Note: bucket-sized work]: about eight buckets, never under 2**18 elements nor above DeepSpeed's value."""
-    from fcdp_deepspeed.grads.steps import bucket_cap
+    from fcdp_deepspeed.engine.grad_steps import bucket_cap
     assert bucket_cap("auto", 2_630_000, 500_000_000) == 328_750  # the bench model: 8 buckets
     assert bucket_cap("auto", 7 * 10**9, 500_000_000) == 500_000_000  # a 7B model keeps DeepSpeed's
     assert bucket_cap("auto", 4_000, 500_000_000) == 2**18  # the test toys: one bucket

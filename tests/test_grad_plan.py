@@ -10,7 +10,7 @@ import pytest
 
 from conftest import run_ranks
 from fcdp_deepspeed.config import FCDPConfigError
-from fcdp_deepspeed.plan import BufferFit, resolve_grad_plan
+from fcdp_deepspeed.grads.plan import BufferFit, resolve_grad_plan
 from test_grads import RTOL, assert_close, step_delta
 
 FIT = BufferFit(need_bytes=5 * 2**20, budget_bytes=2**30)

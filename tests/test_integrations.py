@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_ranks
 from workers.common import ZERO3_GRADS
-from fcdp_deepspeed.tools.launch import free_port
+from fcdp_deepspeed.tools.harness.launch import free_port
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ def test_counters_written_to_deepspeed_monitor():
 
 def test_layout_each_engine_is_counted_by():
     """Pure: which layout classifies an engine's collectives as the process's layout changes."""
-    from fcdp_deepspeed.stats import INTER, INTRA, CommCounters, CommLedger, LayoutKind, classify
+    from fcdp_deepspeed.reporting.stats import INTER, INTRA, CommCounters, CommLedger, LayoutKind, classify
     ledger = CommLedger()  # never installed on a backend: only the layout bookkeeping is used
     one_machine, simulated = ("n0",) * 4, ("a", "a", "b", "b")
     plain = CommCounters(node_of_rank=one_machine, layout_source="LOCAL_WORLD_SIZE", follows_process=True)

@@ -1,4 +1,4 @@
-"""Memory limits and costs (``fcdp_deepspeed.memory``): cgroup v1/v2 and SLURM limits read from real
+"""Memory limits and costs (``fcdp_deepspeed.storage.memory``): cgroup v1/v2 and SLURM limits read from real
 files in temporary directories, pinned rounding, margins, the ``auto`` headroom, and the pool and
 budget accounting built on them."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed import memory
-from fcdp_deepspeed.memory import GiB
+from fcdp_deepspeed.storage import memory
+from fcdp_deepspeed.storage.memory import GiB
 
 MiB = 2**20
 
@@ -122,8 +122,8 @@ def test_host_budget_is_capped_by_the_limit():
 
 
 def test_pool_cost_counts_chunking_and_pinned_rounding():
-    from fcdp_deepspeed.cache import chunk_groups, chunks_cost
     from fcdp_deepspeed.runtime.allocation import fit_prefix
+    from fcdp_deepspeed.storage.cache import chunk_groups, chunks_cost
     assert chunk_groups([3, 3, 3, 9], 8) == [[0, 1], [2], [3]]
     sizes = [24, 24, 24]  # chunks of at most 64 bytes: 48 (pinned: 64) + 24 (pinned: 32)
     assert chunks_cost(sizes, 64, pinned=True) == 96 and chunks_cost(sizes, 64, pinned=False) == 72
@@ -136,7 +136,7 @@ def test_pool_cost_counts_chunking_and_pinned_rounding():
 def test_a_large_slot_shares_its_rounded_chunk():
     """A slot over the chunk size gets a chunk of its own, rounded up to a power of two when pinned; the slots
     after it fill that rounding instead of opening chunks of their own (broken variant: the old grouping)."""
-    from fcdp_deepspeed.cache import chunk_groups, chunks_cost
+    from fcdp_deepspeed.storage.cache import chunk_groups, chunks_cost
     assert chunk_groups([9, 3, 3, 3], 8, pinned=True) == [[0, 1, 2], [3]]  # 9 -> a 16-byte chunk holds 15
     assert chunks_cost([9, 3, 3, 3], 8, pinned=True) == 16 + 4
     assert chunk_groups([9, 3, 3, 3], 8, pinned=False) == [[0], [1, 2], [3]]  # pageable: no rounding to fill
@@ -205,7 +205,7 @@ def test_a_pinned_host_buffer_holds_its_whole_budget(monkeypatch):
     a 96 KiB budget holds all 24 slots of 4 KiB in power-of-two chunks, where one rounded flat buffer held 16."""
     import torch
 
-    from fcdp_deepspeed import device
+    from fcdp_deepspeed.machine import device
     requested = []
     monkeypatch.setattr(device, "pins_host_memory", lambda: True)
     monkeypatch.setattr(device, "pin_empty", lambda numel, dtype: requested.append(numel * dtype.itemsize) or
@@ -225,8 +225,8 @@ def test_a_device_buffer_starts_on_the_host_and_takes_only_what_the_measured_ste
     the rest of it, and the sums it accumulates are the same in both places."""
     import torch
 
-    from fcdp_deepspeed.runtime import promotion
     from fcdp_deepspeed.config import parse_fcdp_config
+    from fcdp_deepspeed.runtime import promotion
     free_at_build = 3 * GiB  # the old build-time rule took 25% of it: 768 MiB
     fake = type("Accel", (), {"total_memory": lambda s: 4 * GiB, "max_memory_reserved": lambda s: 2 * GiB - 64 * KiB,
                               "memory_reserved": lambda s: GiB, "available_memory": lambda s: free_at_build})()

@@ -25,9 +25,9 @@ import pytest
 from packaging.metadata import Metadata
 from packaging.requirements import Requirement
 
+from fcdp_deepspeed.activation import version_gate
+from fcdp_deepspeed.activation.version_gate import TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION, deepspeed_requirement
 from fcdp_deepspeed.version import __version__
-from fcdp_deepspeed import version_gate
-from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION, deepspeed_requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 PTH_LINE = "import fcdp_deepspeed_autoload; fcdp_deepspeed_autoload.startup()"
@@ -66,7 +66,7 @@ def test_sdist_and_wheel_hold_what_they_need(dists):
     assert "fcdp_deepspeed_autoload.pth," in record  # pip uninstall removes it
     assert f"fcdp_deepspeed-{__version__}.dist-info/licenses/LICENSE" in files
     assert "fcdp_deepspeed/tools/doctor.py" in files and not any(f.startswith("tests/") for f in files)
-    assert "fcdp_deepspeed/deepspeed_releases.json" in files and "fcdp_deepspeed/deepspeed_releases.json" in names
+    assert "fcdp_deepspeed/activation/deepspeed_releases.json" in files and "fcdp_deepspeed/activation/deepspeed_releases.json" in names
     shipped = {f.split("/", 2)[2] for f in files if f.startswith("fcdp_deepspeed/shipped/")}
     assert shipped == {f"{d}/{p.name}" for d, suffix in (("configs", ".json"), ("examples", ".py"))
                        for p in (ROOT / d).glob(f"*{suffix}")}, shipped  # every config and example, as in the sdist
@@ -90,7 +90,7 @@ def test_python_3_10_installs_the_wheel_and_finds_the_shipped_configs(dists, tmp
                           capture_output=True, text=True, check=True).stdout.strip()
     compiled = subprocess.run([py, "-m", "compileall", "-q", f"{site}/fcdp_deepspeed"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stdout[-3000:]
-    code = ("from fcdp_deepspeed import version_gate as g; print(','.join(g.TESTED_DEEPSPEED_VERSIONS)); "
+    code = ("from fcdp_deepspeed.activation import version_gate as g; print(','.join(g.TESTED_DEEPSPEED_VERSIONS)); "
             "from fcdp_deepspeed.tools import configs; raise SystemExit(configs.main(['toy_fcdp.json', '--to', 'out']))")
     run = subprocess.run([py, "-c", code], cwd=tmp_path, env=dict(env, FCDP_AUTOLOAD="0"), capture_output=True,
                          text=True, timeout=120)

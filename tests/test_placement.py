@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from fcdp_deepspeed.cache import Placement
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
+from fcdp_deepspeed.storage.cache import Placement
+from fcdp_deepspeed.storage.placement import SlotRequest, plan_placement
 
 
 #: Per node; half of it per rank (L = 2). The toy model's slices need 12672 bytes per rank.
@@ -142,10 +142,10 @@ def test_pageable_host_memory_is_said_once(monkeypatch):
     """[Note: pageable host memory] On an accelerator that pins (monkeypatched: the CPU cannot), a pageable pool
     gets one warning naming fcdp.pin_memory, a pinned one the info line with the pinning time; DeepSpeed's own
     pageable offloaded partitions are recognised (offload_param's pin_memory defaults to false)."""
-    from fcdp_deepspeed import device
-    from fcdp_deepspeed.cache import NodeCache, SlotPool
+    from fcdp_deepspeed.machine import device
+    from fcdp_deepspeed.reporting.stats import CacheCounters
     from fcdp_deepspeed.runtime import allocation
-    from fcdp_deepspeed.stats import CacheCounters
+    from fcdp_deepspeed.storage.cache import NodeCache, SlotPool
     said = []
     monkeypatch.setattr(allocation.logger, "warning", lambda m: said.append(("warning", m)))
     monkeypatch.setattr(allocation.logger, "info", lambda m: said.append(("info", m)))

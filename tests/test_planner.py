@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.cluster import namespaces_available
-from fcdp_deepspeed.tools.planner import ClusterSpec, inter_node_bytes_per_step, main, parse_count, plan
+from fcdp_deepspeed.tools.harness.cluster import namespaces_available
+from fcdp_deepspeed.tools.plan.planner import ClusterSpec, inter_node_bytes_per_step, main, parse_count, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 OK, WHY = namespaces_available()
@@ -157,7 +157,7 @@ def test_committed_gradient_run_covers_every_engine_and_job():
 def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     """A live slice of the committed sweep: the LoRA job on ZeRO-3, FCDP and node accumulation (3 launches
     instead of 8; the full job and hpZ are checked on the committed run above)."""
-    from fcdp_deepspeed.tools.bench import BenchSpec, run_bench
+    from fcdp_deepspeed.tools.bench.bench import BenchSpec, run_bench
     # adapters large enough that payload, not gloo's per-message protocol bytes, dominates (as in real LoRA)
     spec = BenchSpec(rates_mbit=[0], jobs=["lora"], engines=["zero3", "fcdp", "fcdp_node"], hidden=512, layers=4,
                      lora_rank=8, warmup=2, steps=2, repeats=1, timeout_s=400)

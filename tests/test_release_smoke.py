@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from fcdp_deepspeed import ds_compat
-from fcdp_deepspeed.version_gate import TESTED_DEEPSPEED_VERSIONS
+from fcdp_deepspeed.activation.version_gate import TESTED_DEEPSPEED_VERSIONS
+from fcdp_deepspeed.config import ds_compat
 
 pytestmark = pytest.mark.release
 RTOL = 1e-5
@@ -144,7 +144,7 @@ class _CanPinDoor:
 
     @staticmethod
     def make(stand_in: bool):
-        from fcdp_deepspeed import device
+        from fcdp_deepspeed.machine import device
 
         class Door(device.Door):
             def __init__(self) -> None:
@@ -163,7 +163,7 @@ class _CanPinDoor:
 
 
 def _host_entry(numel: int = 40):
-    from fcdp_deepspeed.cache import CacheEntry
+    from fcdp_deepspeed.storage.cache import CacheEntry
     param = torch.nn.Parameter(torch.zeros(numel))
     param.ds_numel = numel
     return CacheEntry(param=param, name="w", slot_numel=numel, start=0, dtype=torch.float32)
@@ -174,9 +174,9 @@ def test_pinning_takes_the_release_allocator():
     ``accelerator.pin_empty``, else torch's pinned ``torch.empty`` (0.16-0.18's accelerators lack
     ``pin_empty``: before the fallback, every default config died at build on CUDA with AttributeError)."""
     from deepspeed.accelerator import get_accelerator
-    from fcdp_deepspeed import device
-    from fcdp_deepspeed.cache import Placement, SlotPool
     from fcdp_deepspeed.compress import residual
+    from fcdp_deepspeed.machine import device
+    from fcdp_deepspeed.storage.cache import Placement, SlotPool
     has = callable(getattr(get_accelerator(), "pin_empty", None))
     import deepspeed
     release = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
@@ -198,8 +198,8 @@ def test_pinning_failure_degrades_to_plain_zero3():
     """Where torch cannot pin (here a CPU-only torch, on CUDA an exhausted or locked-memory-limited host), the
     pools' fallback catches the allocator's error: the entries are left unplaced (plain ZeRO-3), no crash."""
     from deepspeed.accelerator import get_accelerator
-    from fcdp_deepspeed import device
-    from fcdp_deepspeed.cache import SlotPool, Placement
+    from fcdp_deepspeed.machine import device
+    from fcdp_deepspeed.storage.cache import SlotPool, Placement
     if callable(getattr(get_accelerator(), "pin_empty", None)):
         pytest.skip("this release pins through its accelerator (which is a no-op on the CPU)")
     door = _CanPinDoor.make(stand_in=False)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fcdp_deepspeed.announce import compression_words, engine_line
-from fcdp_deepspeed.cache import EntryState, Placement
 from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.stats import format_stats_line
+from fcdp_deepspeed.engine.announce import compression_words, engine_line
+from fcdp_deepspeed.reporting.stats import format_stats_line
+from fcdp_deepspeed.storage.cache import EntryState, Placement
 
 
 def stats(step: int, scale: int, valid: int = 0) -> dict:
@@ -67,7 +67,7 @@ def test_engine_line_counts_the_parameters_that_never_entered_the_cache():
 
 def test_one_set_of_names_for_the_monitor_and_hf_logs():
     from fcdp_deepspeed.integrations.hf import stats_for_logs
-    from fcdp_deepspeed.monitor import REPORTED_KEYS, monitor_events
+    from fcdp_deepspeed.reporting.monitor import REPORTED_KEYS, monitor_events
     s = stats(3, 1)
     names = [name for name, _, _ in monitor_events(s, 3)]
     assert names == [f"fcdp/{k}" for k in REPORTED_KEYS] and set(names) == set(stats_for_logs(s))

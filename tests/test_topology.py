@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import TESTS_DIR, run_ranks, worker_target
-from fcdp_deepspeed.tools.launch import free_port
-from fcdp_deepspeed.topology import TopologyError, derive_node_groups, node_identity_from_env
+from fcdp_deepspeed.machine.topology import TopologyError, derive_node_groups, node_identity_from_env
+from fcdp_deepspeed.tools.harness.launch import free_port
 
 
 # -- pure layout logic -----------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_two_torchrun_agents_give_the_node_layout():
     agents = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                           "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-                          "-m", "fcdp_deepspeed.tools._worker", worker_target("topology:launcher_parity"), str(workdir)],
+                          "-m", "fcdp_deepspeed.tools.harness._worker", worker_target("topology:launcher_parity"), str(workdir)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         for n in (0, 1)
     ]
@@ -99,7 +99,7 @@ def test_ranks_per_node_not_dividing_the_world():
 
 
 def test_non_uniform_nodes(monkeypatch):
-    from fcdp_deepspeed.tools.launch import run_local
+    from fcdp_deepspeed.tools.harness.launch import run_local
     from conftest import TESTS_DIR as tests_dir
     rank_env = {r: {"FCDP_NODE_ID": "a" if r < 3 else "b"} for r in range(4)}
     res = run_local(worker_target("topology:topology_error"), 4, {}, timeout=240, pythonpath=[tests_dir], rank_env=rank_env)
@@ -127,7 +127,7 @@ def test_megatron_layout_tp2_on_2_nodes_x_4():
 
 
 def test_plain_engine_layout_is_derived_without_a_collective():
-    from fcdp_deepspeed.topology import guess_node_map
+    from fcdp_deepspeed.machine.topology import guess_node_map
     assert guess_node_map({}, 4, ranks_per_node=2) == (("node0", "node0", "node1", "node1"),
                                                        "fcdp.ranks_per_node (consecutive ranks per node)")
     nodes, source = guess_node_map({"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, 4)  # torchrun's first

@@ -40,15 +40,17 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device, faults, timeline
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.compress.quant import Codec, codec_for
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import GradReducer
 from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.grads.layout import ReduceLayout
-from fcdp_deepspeed.plan import GradPlan, check_grad_compression
-from fcdp_deepspeed.stats import EventCounters, fmt_bytes, received_bytes
+from fcdp_deepspeed.grads.plan import GradPlan, check_grad_compression
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting import timeline
+from fcdp_deepspeed.reporting.stats import EventCounters, fmt_bytes, received_bytes
 
 #: Checkpoint format of the "grads" part: 2 = residuals of the N - 1 sent rows, clip coefficient applied.
 FORMAT = 2
@@ -298,7 +300,7 @@ def attach_compressor(config: FCDPConfig, plan: GradPlan, reducer: Optional[Grad
                       loss_scale: Callable[[], float]) -> Optional[GradCompressor]:
     """Collective over the DP group (the residual budget is agreed): give ``reducer`` the compressed inter-node
     stage when ``fcdp.grad_compression`` asks for one. Refuses (:class:`FCDPConfigError`, by name) a plan
-    without the hierarchical reduce and unsupported dtypes (:func:`~fcdp_deepspeed.plan.check_grad_compression`)."""
+    without the hierarchical reduce and unsupported dtypes (:func:`~fcdp_deepspeed.grads.plan.check_grad_compression`)."""
     if config.grad_compression == "off":
         return None
     accumulation_dtype = reducer.accumulation_dtype if reducer is not None else torch.float32

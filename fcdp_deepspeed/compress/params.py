@@ -32,11 +32,13 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device, faults, timeline
-from fcdp_deepspeed.cache import Placement
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.compress.quant import Codec
 from fcdp_deepspeed.compress.reference import CompressionCounters, ReferenceStore, RefState
-from fcdp_deepspeed.stats import INTER, LEDGER, CommCounters
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting import timeline
+from fcdp_deepspeed.reporting.stats import INTER, LEDGER, CommCounters
+from fcdp_deepspeed.storage.cache import Placement
 
 #: Ledger families of the inter-node stage 1 while compression is on (``inter_node_param_*_bytes``).
 PARAM_COMPRESSED = "param_compressed"

@@ -29,9 +29,10 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device, faults
-from fcdp_deepspeed.cache import Placement, SlotPool
-from fcdp_deepspeed.stats import EventCounters
+from fcdp_deepspeed import faults
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting.stats import EventCounters
+from fcdp_deepspeed.storage.cache import Placement, SlotPool
 
 
 class RefState(enum.Enum):
@@ -45,7 +46,7 @@ class RefState(enum.Enum):
 
 @dataclass(eq=False)
 class Reference:
-    """One parameter's reference on this rank (a :class:`~fcdp_deepspeed.cache.SlotPool` slot of N*p elements)."""
+    """One parameter's reference on this rank (a :class:`~fcdp_deepspeed.storage.cache.SlotPool` slot of N*p elements)."""
 
     param: torch.nn.Parameter
     #: The parameter's name in the module (what checkpoints key references by: ``ds_id`` differs between processes).

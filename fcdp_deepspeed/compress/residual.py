@@ -44,10 +44,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, faults, memory
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.grads.buffer import BufferPlanner, fitting_prefix
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
-from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting.stats import fmt_bytes
+from fcdp_deepspeed.storage import memory
 
 #: Bytes per residual element (fp32) and slots per parameter (committed + pending).
 ELEMENT_BYTES = 4

@@ -21,7 +21,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed.machine import device
 
 
 def repartition_over_node(params: Sequence[torch.nn.Parameter], node_group: Any) -> int:

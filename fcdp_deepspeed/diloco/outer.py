@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed.machine import device
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

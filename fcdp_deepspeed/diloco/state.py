@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from fcdp_deepspeed import device
 from fcdp_deepspeed.diloco.layout import check_same_start
 from fcdp_deepspeed.diloco.sync import DiLoCoSync, Pending
+from fcdp_deepspeed.machine import device
 
 #: Bumped when the part's content changes.
 VERSION = 2

@@ -40,12 +40,12 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import device
-from fcdp_deepspeed.diloco.config import DiLoCoConfig
+from fcdp_deepspeed.config.diloco import DiLoCoConfig
 from fcdp_deepspeed.diloco.exchange import Flight, PseudoGradExchange
 from fcdp_deepspeed.diloco.fragments import Piece, fragment_due, piece_ranges, plan_fragments
 from fcdp_deepspeed.diloco.layout import mask_padding_
 from fcdp_deepspeed.diloco.outer import OuterState, outer_step_
+from fcdp_deepspeed.machine import device
 
 
 #: Test-only: ``FCDP_BREAK_DILOCO`` names broken variants the tests must catch: ``read_early`` (a completion reads

@@ -20,7 +20,6 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import comm_warmup
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads.buffer import BufferPlanner, NodeGradBuffer, fitting_prefix
 from fcdp_deepspeed.grads.collectives import StageCollectives
@@ -28,9 +27,10 @@ from fcdp_deepspeed.grads.delivery import DeliveryLedger
 from fcdp_deepspeed.grads.dispatch import bucket, install_dispatch, make_dispatch, uninstall_dispatch
 from fcdp_deepspeed.grads.layout import (ReduceLayout, build_layout, chunk_numel, order_index, own_chunk_numel,
                                          pack_chunks)
+from fcdp_deepspeed.grads.plan import BufferFit, GradPlan, resolve_grad_plan
 from fcdp_deepspeed.grads.reducer import GradCounters, GradReducer
-from fcdp_deepspeed.plan import BufferFit, GradPlan, resolve_grad_plan
-from fcdp_deepspeed.topology import Topology
+from fcdp_deepspeed.machine import comm_warmup
+from fcdp_deepspeed.machine.topology import Topology
 
 __all__ = ["BufferPlanner", "DeliveryLedger", "GradCounters", "GradReducer", "NodeGradBuffer", "ReduceLayout",
            "StageCollectives", "bucket", "build_layout", "build_reducer", "chunk_numel", "fitting_prefix",

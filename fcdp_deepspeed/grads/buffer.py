@@ -35,11 +35,13 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from fcdp_deepspeed import device, faults, memory
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel
-from fcdp_deepspeed.plan import BufferFit
-from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.grads.plan import BufferFit
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting.stats import fmt_bytes
+from fcdp_deepspeed.storage import memory
 
 
 @dataclass
@@ -241,7 +243,7 @@ class BufferPlanner:
 
     def measure(self, params: Sequence[torch.nn.Parameter]) -> BufferFit:
         """Collective over the DP group: what buffering every trainable parameter needs, against the
-        smallest budget share of any rank (an agreed input of :func:`~fcdp_deepspeed.plan.resolve_grad_plan`)."""
+        smallest budget share of any rank (an agreed input of :func:`~fcdp_deepspeed.grads.plan.resolve_grad_plan`)."""
         params, numels = self.sizes(params)
         self.trainable = params
         on_device = self.on_device()

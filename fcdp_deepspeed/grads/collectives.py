@@ -8,9 +8,10 @@ import torch
 from deepspeed import comm as dist
 
 import deepspeed.comm.comm as _comm_module
-from fcdp_deepspeed import faults, timeline
+from fcdp_deepspeed import faults
 from fcdp_deepspeed.grads.inflight import Inflight, issue_delay
 from fcdp_deepspeed.grads.layout import ReduceLayout
+from fcdp_deepspeed.reporting import timeline
 
 
 class StageCollectives:

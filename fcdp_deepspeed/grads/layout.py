@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from fcdp_deepspeed import device
+from fcdp_deepspeed.machine import device
 
 
 @dataclass(frozen=True)

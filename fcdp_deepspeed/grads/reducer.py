@@ -11,15 +11,15 @@ from typing import Any, Optional, Sequence
 import torch
 
 from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.grads.collectives import StageCollectives
 from fcdp_deepspeed.grads.buffer import BufferPlanner, NodeGradBuffer
+from fcdp_deepspeed.grads.collectives import StageCollectives
 from fcdp_deepspeed.grads.delivery import DeliveryLedger
 from fcdp_deepspeed.grads.inflight import InterNodeQueue
 from fcdp_deepspeed.grads.layout import ReduceLayout, pack_chunks
+from fcdp_deepspeed.grads.plan import BufferFit
 from fcdp_deepspeed.grads.staging import NodeStage, StagedDelivery
-from fcdp_deepspeed.plan import BufferFit
-from fcdp_deepspeed.stats import EventCounters
-from fcdp_deepspeed.topology import group_ranks
+from fcdp_deepspeed.machine.topology import group_ranks
+from fcdp_deepspeed.reporting.stats import EventCounters
 
 
 @dataclass

@@ -10,9 +10,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from fcdp_deepspeed import timeline
 from fcdp_deepspeed.grads.inflight import Inflight, InterNodeQueue, Pending
 from fcdp_deepspeed.grads.layout import chunk_numel, own_chunk_numel
+from fcdp_deepspeed.reporting import timeline
 
 
 @dataclass(eq=False)

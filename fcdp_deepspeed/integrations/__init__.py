@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from fcdp_deepspeed import post_import
+from fcdp_deepspeed.activation import post_import
 
 HF = "fcdp_deepspeed.integrations.hf"
 

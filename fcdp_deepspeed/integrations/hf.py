@@ -25,8 +25,8 @@ _PATCHED = "_fcdp_original_init"
 
 def stats_for_logs(stats: dict) -> dict[str, float]:
     """The ``fcdp/*`` log entries for one ``get_stats`` dict: the names and keys DeepSpeed's monitor gets
-    (:data:`fcdp_deepspeed.monitor.REPORTED_KEYS`)."""
-    from fcdp_deepspeed.monitor import reported_values
+    (:data:`fcdp_deepspeed.reporting.monitor.REPORTED_KEYS`)."""
+    from fcdp_deepspeed.reporting.monitor import reported_values
     return reported_values(stats)
 
 
@@ -48,7 +48,7 @@ def callback_class() -> type:
     """Build the ``TrainerCallback`` subclass (imports ``transformers``)."""
     from transformers import TrainerCallback
 
-    from fcdp_deepspeed.engine_stats import stats_of
+    from fcdp_deepspeed.reporting.engine_stats import stats_of
 
     class FCDPStatsCallback(TrainerCallback):
         """Adds ``fcdp/*`` counters to every Trainer log event (see :mod:`fcdp_deepspeed.integrations.hf`)."""

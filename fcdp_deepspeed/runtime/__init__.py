@@ -20,8 +20,8 @@ methods. Each concern is one module here, with the state it owns in one dataclas
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
 
-Entry states and slots belong to :class:`~fcdp_deepspeed.cache.NodeCache`; counters to
-:mod:`fcdp_deepspeed.stats`. The gradient path (hierarchical reduction, node-local accumulation) is
+Entry states and slots belong to :class:`~fcdp_deepspeed.storage.cache.NodeCache`; counters to
+:mod:`fcdp_deepspeed.reporting.stats`. The gradient path (hierarchical reduction, node-local accumulation) is
 its own concern, :mod:`fcdp_deepspeed.grads`: it shares this runtime's topology and is routed from
 ``stage3.py``'s reduction hooks (engines without an optimizer have no gradients).
 """
@@ -34,12 +34,14 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import comm_warmup, device
-from fcdp_deepspeed.cache import NodeCache
 from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.compress.reference import ReferenceCheckpoint
 from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.monitor import latest_monitor
+from fcdp_deepspeed.machine import comm_warmup, device
+from fcdp_deepspeed.machine.topology import Topology
+from fcdp_deepspeed.reporting.monitor import latest_monitor
+from fcdp_deepspeed.reporting.stats import CacheCounters, CommCounters
+from fcdp_deepspeed.reporting.timeline import PhaseClock
 from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
 from fcdp_deepspeed.runtime.compression import build_compression
@@ -50,9 +52,7 @@ from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.runtime.runahead import RunAhead, build_runahead
-from fcdp_deepspeed.stats import CacheCounters, CommCounters
-from fcdp_deepspeed.timeline import PhaseClock
-from fcdp_deepspeed.topology import Topology
+from fcdp_deepspeed.storage.cache import NodeCache
 
 __all__ = ["FCDPRuntime", "StaleCacheError"]
 

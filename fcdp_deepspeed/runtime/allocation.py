@@ -1,6 +1,6 @@
 """Budgets and slots: which entries get a slot, in which pool, agreed across the data-parallel group.
 
-The policy is the pure :func:`~fcdp_deepspeed.placement.plan_placement`; this module resolves the
+The policy is the pure :func:`~fcdp_deepspeed.storage.placement.plan_placement`; this module resolves the
 budgets it is given, allocates the pools, and makes the *cached or not* outcome agree on every rank
 (hit/miss decides which collective runs). Placement itself may differ per rank.
 """
@@ -14,12 +14,13 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, memory
-from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import Budget, FCDPConfig
-from fcdp_deepspeed.placement import SlotRequest, placement_order, plan_placement
-from fcdp_deepspeed.stats import fmt_bytes
-from fcdp_deepspeed.topology import Topology
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.machine.topology import Topology
+from fcdp_deepspeed.reporting.stats import fmt_bytes
+from fcdp_deepspeed.storage import memory
+from fcdp_deepspeed.storage.cache import CacheEntry, EntryState, NodeCache, Placement, SlotPool
+from fcdp_deepspeed.storage.placement import SlotRequest, placement_order, plan_placement
 
 
 def _request(entry: CacheEntry) -> SlotRequest:

@@ -28,11 +28,11 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.cache import CacheEntry, NodeCache
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError
+from fcdp_deepspeed.machine.topology import Topology, TopologyError, build_topology, group_ranks
+from fcdp_deepspeed.reporting.stats import LEDGER, CacheCounters, LayoutKind
 from fcdp_deepspeed.runtime.fetch import unwrapped
-from fcdp_deepspeed.stats import LEDGER, CacheCounters, LayoutKind
-from fcdp_deepspeed.topology import Topology, TopologyError, build_topology, group_ranks
+from fcdp_deepspeed.storage.cache import CacheEntry, NodeCache
 
 
 #: ``Attachment.uncached`` reason of every parameter when the DP group lies on one node.

@@ -21,16 +21,16 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.cache import NodeCache, Placement, SlotPool
 from fcdp_deepspeed.compress.params import DTYPES, DriftMeter, ParamCompression, pays
 from fcdp_deepspeed.compress.quant import codec_for
 from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceCheckpoint, ReferenceStore
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError, resolved_param_compression
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
+from fcdp_deepspeed.machine.topology import Topology
+from fcdp_deepspeed.reporting.stats import fmt_bytes
 from fcdp_deepspeed.runtime.allocation import Allocation, fit_prefix
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
-from fcdp_deepspeed.stats import fmt_bytes
-from fcdp_deepspeed.topology import Topology
+from fcdp_deepspeed.storage.cache import NodeCache, Placement, SlotPool
+from fcdp_deepspeed.storage.placement import SlotRequest, plan_placement
 
 
 #: ``HierarchicalGather.unsupported`` reasons that hold for the whole run (such parameters never take stage 1).

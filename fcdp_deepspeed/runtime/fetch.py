@@ -31,13 +31,14 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles, ZeroParamStatus
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, timeline
-from fcdp_deepspeed.cache import CacheEntry, EntryState, NodeCache
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.reporting import timeline
+from fcdp_deepspeed.reporting.stats import LEDGER, CacheCounters, CommCounters
+from fcdp_deepspeed.reporting.timeline import PhaseClock
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.routing import Route, split_fetch
-from fcdp_deepspeed.stats import LEDGER, CacheCounters, CommCounters
-from fcdp_deepspeed.timeline import PhaseClock
+from fcdp_deepspeed.storage.cache import CacheEntry, EntryState, NodeCache
 
 
 class StaleCacheError(RuntimeError):

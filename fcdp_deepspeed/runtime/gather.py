@@ -56,13 +56,14 @@ from deepspeed.runtime.zero.partition_parameters import (AllGatherCoalescedHandl
 from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import device, ds_compat, timeline
 from fcdp_deepspeed.compress.params import ParamCompression
-from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.config import FCDPConfig, ds_compat
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.machine.topology import Topology, group_ranks
+from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
 from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
-from fcdp_deepspeed.topology import Topology, group_ranks
 
 
 def slot_of_rank(layout: ReduceLayout) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 import torch
 
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed.storage.cache import NodeCache
 
 
 @dataclass(eq=False)

@@ -5,9 +5,9 @@ and the release of the host chunks the move emptied.
 Accelerator memory at engine build says nothing about a step's needs: activations, prefetch buffers, the
 reduce buckets and NCCL's buffers do not exist yet. So both accelerator modes start on the (pinned) host and,
 after step ``PROMOTE_STEP`` (the first complete step: step 1 has no prefetch trace), each rank moves what
-fits into the headroom that step left (:func:`~fcdp_deepspeed.memory.measured_device_headroom`: total minus
+fits into the headroom that step left (:func:`~fcdp_deepspeed.storage.memory.measured_device_headroom`: total minus
 the allocator's peak *reserved* memory, minus memory outside the allocator such as NCCL's communicators and
-the CUDA context, minus :func:`~fcdp_deepspeed.memory.device_margin`). ``device_budget`` is resolved against
+the CUDA context, minus :func:`~fcdp_deepspeed.storage.memory.device_margin`). ``device_budget`` is resolved against
 that headroom (``auto`` mode: half of it by default; ``device`` mode: all of it) and never exceeds it.
 Placement is per rank: which parameters are cached does not change, so no agreement is needed.
 """
@@ -20,11 +20,11 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import memory
-from fcdp_deepspeed.cache import NodeCache, Placement, SlotPool
 from fcdp_deepspeed.config import FCDPConfig
-from fcdp_deepspeed.placement import SlotRequest, plan_placement
-from fcdp_deepspeed.stats import fmt_bytes
+from fcdp_deepspeed.reporting.stats import fmt_bytes
+from fcdp_deepspeed.storage import memory
+from fcdp_deepspeed.storage.cache import NodeCache, Placement, SlotPool
+from fcdp_deepspeed.storage.placement import SlotRequest, plan_placement
 
 #: Optimizer step boundary at which the accelerator modes measure and move: the first step has no prefetch
 #: trace yet, so only the second has run a complete step (prefetch included).

@@ -33,9 +33,9 @@ import torch
 
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from fcdp_deepspeed.cache import EntryState, NodeCache
+from fcdp_deepspeed.reporting.stats import CacheCounters
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
-from fcdp_deepspeed.stats import CacheCounters
+from fcdp_deepspeed.storage.cache import EntryState, NodeCache
 
 
 def _full_bytes(param: torch.nn.Parameter) -> int:

@@ -10,14 +10,14 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import comm_warmup
-from fcdp_deepspeed.cache import EntryState, Placement, SlotPool
-from fcdp_deepspeed.monitor import monitor_events
+from fcdp_deepspeed.machine import comm_warmup
+from fcdp_deepspeed.reporting.monitor import monitor_events
+from fcdp_deepspeed.reporting.stats import CacheCounters, CommCounters, format_stats_line
+from fcdp_deepspeed.reporting.timeline import PhaseClock
 from fcdp_deepspeed.runtime.allocation import Allocation
 from fcdp_deepspeed.runtime.attach import Attachment
 from fcdp_deepspeed.runtime.promotion import Promotion
-from fcdp_deepspeed.stats import CacheCounters, CommCounters, format_stats_line
-from fcdp_deepspeed.timeline import PhaseClock
+from fcdp_deepspeed.storage.cache import EntryState, Placement, SlotPool
 
 
 def slot_bytes(cache: Any, placement: Placement) -> int:

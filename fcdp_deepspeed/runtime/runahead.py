@@ -47,8 +47,9 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from fcdp_deepspeed import faults, timeline
-from fcdp_deepspeed.stats import EventCounters
+from fcdp_deepspeed import faults
+from fcdp_deepspeed.reporting import timeline
+from fcdp_deepspeed.reporting.stats import EventCounters
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).

@@ -33,8 +33,9 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import faults, timeline
-from fcdp_deepspeed.stats import attributed_to, current_sinks
+from fcdp_deepspeed import faults
+from fcdp_deepspeed.reporting import timeline
+from fcdp_deepspeed.reporting.stats import attributed_to, current_sinks
 
 BREAK_ENV = "FCDP_BREAK_GATHER"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every stage 1 (skew, so that a read before

@@ -6,7 +6,7 @@ The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imp
 - ``launch.py``, ``_worker.py``: run a function on N local gloo ranks (tests, demo, benchmark);
 - ``cluster.py``: an emulated multi-node cluster (network namespaces, shaped uplinks);
 - ``toy.py``: tiny models and a deterministic training loop;
-- ``bench.py``, ``planner.py`` (with ``plan_compression.py``, the compressed rows' model), ``demo.py``,
+- ``bench.py``, ``planner.py`` (with ``tools/plan/compression.py``, the compressed rows' model), ``demo.py``,
   ``doctor.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``, ``fcdp doctor``;
 - ``fuzz/``: random event sequences against ZeRO-3 (a hypothesis state machine on a rank server), ``fcdp soak``;
 - ``cli.py``: the ``fcdp`` command; ``args.py``: the argument checks every subcommand shares.

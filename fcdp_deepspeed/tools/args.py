@@ -84,5 +84,5 @@ def number_list(item: Callable[[str], Any]) -> Callable[[str], list]:
 
 
 def plural(n: int, word: str) -> str:
-    """``"1 node"``, ``"2 nodes"`` (the same as ``fcdp_deepspeed.stats.plural``, without torch)."""
+    """``"1 node"``, ``"2 nodes"`` (the same as ``fcdp_deepspeed.reporting.stats.plural``, without torch)."""
     return f"{n} {word}" + ("" if n == 1 else "s")

@@ -7,10 +7,10 @@ from typing import Optional
 
 COMMANDS = {
     "doctor": ("fcdp_deepspeed.tools.doctor", "is FCDP installed and on here, and what would this config do"),
-    "plan": ("fcdp_deepspeed.tools.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
+    "plan": ("fcdp_deepspeed.tools.plan.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
     "demo": ("fcdp_deepspeed.tools.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
-    "bench": ("fcdp_deepspeed.tools.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
-    "converge": ("fcdp_deepspeed.tools.converge", "exact vs int8/int4 inter-node compression: a tiny LM on real text"),
+    "bench": ("fcdp_deepspeed.tools.bench.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
+    "converge": ("fcdp_deepspeed.tools.converge.converge", "exact vs int8/int4 inter-node compression: a tiny LM on real text"),
     "soak": ("fcdp_deepspeed.tools.fuzz.soak", "random event sequences against ZeRO-3 (docs/reliability.md)"),
     "configs": ("fcdp_deepspeed.tools.configs", "the shipped configs and examples: their paths, or a copy of one"),
 }

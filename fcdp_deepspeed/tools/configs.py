@@ -45,7 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{path.parent.name + '/' + name:<32} {path}")
         return 0
     if args.name not in files:
-        from fcdp_deepspeed.config_errors import did_you_mean
+        from fcdp_deepspeed.config.errors import did_you_mean
         print(f"fcdp configs: no shipped file {args.name!r}{did_you_mean(args.name, files)}; "
               f"shipped: {', '.join(files)}", file=sys.stderr)
         return 2

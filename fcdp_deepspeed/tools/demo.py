@@ -18,7 +18,7 @@ import json
 import torch
 
 from fcdp_deepspeed.tools import args as checks
-from fcdp_deepspeed.tools.launch import run_local
+from fcdp_deepspeed.tools.harness.launch import run_local
 
 #: (job, LoRA rank, gradient accumulation, engines: name -> extra fcdp keys or None for ZeRO-3)
 #: "FCDP" is the defaults; "FCDP exact" keeps DeepSpeed's gradient path (bit-identical to ZeRO-3).
@@ -40,7 +40,7 @@ def rank_main(steps: int, hidden: int, layers: int) -> dict:
     from deepspeed import comm as dist
 
     import fcdp_deepspeed
-    from fcdp_deepspeed.tools import toy
+    from fcdp_deepspeed.tools.harness import toy
 
     deepspeed.init_distributed(dist_backend="gloo")
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=2)

@@ -60,9 +60,9 @@ def _install_kind() -> str:
 def installation_checks() -> list[Check]:
     """The package, torch, DeepSpeed and the startup file."""
     import fcdp_deepspeed
-    from fcdp_deepspeed.version import __version__
-    from fcdp_deepspeed.version_gate import (ALLOW_UNTESTED_ENV, TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION,
+    from fcdp_deepspeed.activation.version_gate import (ALLOW_UNTESTED_ENV, TESTED_DEEPSPEED_VERSIONS, TESTED_TORCH_VERSION,
                                              deepspeed_requirement, suggested_release, version_is_tested)
+    from fcdp_deepspeed.version import __version__
     out = [Check("install", "ok", f"fcdp-deepspeed {__version__} ({_install_kind()}) at "
                                   f"{os.path.dirname(fcdp_deepspeed.__file__)}, Python {sys.version.split()[0]}")]
     torch_v = _version("torch")
@@ -90,7 +90,7 @@ def installation_checks() -> list[Check]:
 
 def startup_checks() -> list[Check]:
     """Whether the startup file is where this interpreter runs it, and whether it ran."""
-    from fcdp_deepspeed.autoload import AUTOLOAD_ENV, autoload_enabled
+    from fcdp_deepspeed.activation.autoload import AUTOLOAD_ENV, autoload_enabled
     dirs = [d for d in site.getsitepackages() + [site.getusersitepackages()] if d]
     found = [d for d in dirs if os.path.exists(os.path.join(d, PTH))]
     fallback = ("call fcdp_deepspeed.install() before building the model, or launch with "
@@ -165,7 +165,7 @@ def block_checks(cfg: dict) -> list[Check]:
     run with (also for a config without a block: whether adding one would be refused)."""
     from fcdp_deepspeed.config import (FCDPConfigError, check_ds_config_compatible, grad_path_blockers,
                                        parse_fcdp_config, placement_problems)
-    from fcdp_deepspeed.config_errors import near_fcdp
+    from fcdp_deepspeed.config.errors import near_fcdp
     out = [_fail("block", p) for p in placement_problems(cfg)]
     if "fcdp" not in cfg:  # a misplaced or misspelled block: check what it says as if it sat where it belongs
         zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
@@ -208,12 +208,12 @@ def block_checks(cfg: dict) -> list[Check]:
 
 def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     """What an engine would run with this block on N nodes x L ranks: the functions engines use."""
-    from fcdp_deepspeed import memory
-    from fcdp_deepspeed.announce import compression_words
     from fcdp_deepspeed.config import grad_accumulation_blockers, grad_path_blockers, parse_fcdp_config
-    from fcdp_deepspeed.plan import resolve_grad_plan
+    from fcdp_deepspeed.engine.announce import compression_words
+    from fcdp_deepspeed.grads.plan import resolve_grad_plan
+    from fcdp_deepspeed.reporting.stats import fmt_bytes, plural
     from fcdp_deepspeed.runtime.allocation import host_budget_per_node
-    from fcdp_deepspeed.stats import fmt_bytes, plural
+    from fcdp_deepspeed.storage import memory
 
     block = parse_fcdp_config(cfg)
     ga = cfg.get("gradient_accumulation_steps")

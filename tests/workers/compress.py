@@ -20,10 +20,9 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress import params as cparams
-from fcdp_deepspeed.compress import quant
+from fcdp_deepspeed.compress import params as cparams, quant
 from fcdp_deepspeed.runtime import compression as rcompression
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.tools.harness import toy
 from workers.common import LogCapture, fcdp_block, setup
 from workers.replicas import ReplicaHashes
 

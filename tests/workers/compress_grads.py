@@ -16,12 +16,11 @@ from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress import IdentityCodec
-from fcdp_deepspeed.compress import grads as compress_grads
+from fcdp_deepspeed.compress import IdentityCodec, grads as compress_grads
 from fcdp_deepspeed.compress.residual import ResidualStore
 from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.grads.inflight import Inflight
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.tools.harness import toy
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
 from workers.replicas import ReplicaHashes
@@ -77,7 +76,7 @@ def sabotaged(kind: str) -> Iterator[None]:
         saved = {name: original}
         cls.discard = lambda self, skipped: self.commit() if skipped else original(self, skipped)
     elif kind == "discard_at_checkpoint":  # the old epilogue: a checkpoint event drops the window's pending residual
-        from fcdp_deepspeed.stage3 import FCDPStage3
+        from fcdp_deepspeed.engine.stage3 import FCDPStage3
         original_epilogue = FCDPStage3.checkpoint_event_epilogue
 
         def epilogue(self):
@@ -291,7 +290,7 @@ def reloads(ckpt_dir: str, sc: dict) -> dict:
     universal checkpoint (converted with DeepSpeed's tool) into an engine trained since; each load's state after
     it, and ``param_exact_gathers`` after one more step."""
     from pathlib import Path
-    from fcdp_deepspeed.tools import resize
+    from fcdp_deepspeed.tools.reliability import resize
     both = {**sc, "fcdp": {**sc["fcdp"], "param_compression": "int8", "param_refresh_interval": 7}}
     engine = grad_workers.build(both, config(both))
     train(engine, both, steps=2)

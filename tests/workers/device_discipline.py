@@ -15,11 +15,12 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 import fcdp_deepspeed
-from fcdp_deepspeed import device, grads, strict_device, strict_streams
-from fcdp_deepspeed.cache import NodeCache
+from fcdp_deepspeed import grads
 from fcdp_deepspeed.compress.reference import ReferenceStore
 from fcdp_deepspeed.grads import inflight
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.machine import device, strict_device, strict_streams
+from fcdp_deepspeed.storage.cache import NodeCache
+from fcdp_deepspeed.tools.harness import toy
 from workers import grads as grad_workers
 from workers.common import setup
 

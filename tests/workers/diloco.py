@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed.engine_stats import stats_of
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.reporting.engine_stats import stats_of
+from fcdp_deepspeed.tools.harness import toy
 from workers.common import DTYPES, LogCapture, fcdp_block, setup
 
 HIDDEN = 32

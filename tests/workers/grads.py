@@ -17,7 +17,7 @@ from deepspeed.utils import safe_get_local_grad
 import fcdp_deepspeed
 from fcdp_deepspeed import grads
 from fcdp_deepspeed.grads import own_chunk_numel
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.tools.harness import toy
 from workers.common import DTYPES, LogCapture, setup
 
 
@@ -41,7 +41,7 @@ def sabotage(kind: str) -> None:
 
         grads.GradReducer.reduce = reduce
     elif kind == "no_late_buffer":  # decide the buffer at build time only (accumulation steps set later are missed)
-        from fcdp_deepspeed.stage3 import FCDPStage3
+        from fcdp_deepspeed.engine.stage3 import FCDPStage3
         FCDPStage3._plan_buffer_if_window_grew = lambda self: None
     elif kind:
         raise ValueError(kind)

@@ -37,7 +37,7 @@ def placement_modes(steps: int = 5, host_budget_bytes: int = 0) -> dict:
 def degraded_allocation(steps: int = 4, chunk_bytes: int = 4096) -> dict:
     """Pool chunks fail to allocate on one rank (FCDP_INJECT_FAULT): the parameters in them must
     take the plain ZeRO-3 path on every rank, with a warning, and training must stay identical."""
-    from fcdp_deepspeed import cache
+    from fcdp_deepspeed.storage import cache
     cache.CHUNK_BYTES = chunk_bytes  # several chunks, so only some parameters are affected
     setup()
     capture = LogCapture()
@@ -51,7 +51,7 @@ def one_node(steps: int = 3) -> dict:
     layout) and with ranks_per_node = 4, node accumulation on, vs plain ZeRO-3."""
     import copy
 
-    from fcdp_deepspeed.tools import toy
+    from fcdp_deepspeed.tools.harness import toy
     setup(4)
     capture = LogCapture()
     out = {}

@@ -8,7 +8,7 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime import runahead
-from fcdp_deepspeed.tools import toy
+from fcdp_deepspeed.tools.harness import toy
 from workers.common import fcdp_block, forward, setup
 
 HIDDEN = 32

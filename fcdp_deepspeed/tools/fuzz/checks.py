@@ -26,7 +26,7 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.cache import EntryState
+from fcdp_deepspeed.storage.cache import EntryState
 from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.events import Obs, Sequence, eval_
 

@@ -50,7 +50,7 @@ class RankServer:
         self.close()
 
     def start(self) -> None:
-        from fcdp_deepspeed.tools.launch import run_local
+        from fcdp_deepspeed.tools.harness.launch import run_local
         listener = socket.create_server(("127.0.0.1", 0))
         listener.settimeout(self.start_timeout)
         port = listener.getsockname()[1]

@@ -33,8 +33,8 @@ import torch
 
 import deepspeed
 
-from fcdp_deepspeed.tools import toy
 from fcdp_deepspeed.tools.fuzz.model import EventModel, set_trainable
+from fcdp_deepspeed.tools.harness import toy
 
 #: Relative tolerance of the ``close`` comparison (tests/test_grads.py ``RTOL``, ``BF16_RTOL``).
 RTOL = {"fp32": 1e-5, "bf16": 2e-2}

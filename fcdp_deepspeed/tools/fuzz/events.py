@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import deepspeed
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.cache import Placement
+from fcdp_deepspeed.storage.cache import Placement
 from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.model import (HIDDEN, SEQ, VOCAB, hf_load_state_dict, modules_with_params,
                                              resize_token_embeddings, set_trainable)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import deepspeed
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.tools.toy import Block
+from fcdp_deepspeed.tools.harness.toy import Block
 
 HIDDEN = 16
 VOCAB = 24

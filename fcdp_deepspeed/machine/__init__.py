@@ -1,0 +1,9 @@
+"""The machine as FCDP sees it: devices and streams, nodes and their process groups.
+
+- ``device.py``: the device door, the one place FCDP issues host<->accelerator copies, streams, events
+  and pinned allocations;
+- ``strict_device.py``, ``strict_streams.py``, ``strict_log.py``: strict device mode, the CPU model of
+  CUDA that checks the door's discipline and stream order on DeepSpeed's CPU accelerator;
+- ``topology.py``: node layout and the node / node-peer groups; ``comm_warmup.py``: those communicators
+  warmed up at attach, and the memory their first use took.
+"""

@@ -1,0 +1,5 @@
+"""``fcdp converge`` (also ``python -m fcdp_deepspeed.tools.converge``): convergence with lossy compression.
+
+- ``converge.py``: the runs; ``report.py``: their JSON, table and plot; ``tinylm.py``: the model;
+  ``textdata.py``: the text; ``model_hash.py``: bitwise fingerprints of a model on each rank.
+"""
