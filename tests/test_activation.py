@@ -63,12 +63,12 @@ out["plain"] = [deepspeed.initialize(model=None, config=c) for c in ({}, {"fcdp"
 out["calls"] = len(calls)
 
 # a tested release whose install() fails: the same warning-and-refusal, never a failed `import deepspeed`
-import fcdp_deepspeed
-def install():
-    raise OSError("no space left on device")
-fcdp_deepspeed.install = install
 deepspeed.initialize = lambda *args, **kwargs: "engine"
 deepspeed.__version__ = "0.19.8"
+from fcdp_deepspeed.activation import api
+def install():
+    raise OSError("no space left on device")
+api.install = install
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     autoload.on_deepspeed_imported(deepspeed)

@@ -1,11 +1,17 @@
-"""The package's layers, checked on its source (AST) and by importing it.
+"""The package's rooms and floors, checked on its source (AST) and by importing it (docs/ARCHITECTURE.md).
 
-- the core (``fcdp_deepspeed/*.py``, ``runtime/``) never imports the tooling (``tools/``), the
-  integrations (``integrations/``) or the startup hook (``fcdp_deepspeed_autoload``);
+- every module lies in one room (a folder of the package, or one of its four root files), and the rooms
+  stand on floors (``FLOORS``, bottom first): a module imports, at module level or inside a function,
+  modules of its own room and of rooms on lower floors only; two rooms on one floor never import each other;
+- the package root holds the facade, ``version.py``, ``run.py``, ``faults.py`` and the rooms' folders, each
+  with an ``__init__`` docstring that says what it holds; ``tools/`` holds the ``fcdp`` command's dispatch, its
+  one-module commands and one folder per larger command;
+- the core (everything but ``tools/``, ``integrations/`` and the facade) never imports the tooling, the
+  integrations or the startup hook (``fcdp_deepspeed_autoload``), and imports without them;
 - the package facade (``fcdp_deepspeed/__init__.py``) is lazy and may reach the integrations (its
   ``install()`` installs them), never the tooling;
 - nothing in the package imports the startup hook, which imports nothing but the standard library and
-  the package's standard-library-only modules;
+  the package's standard-library-only modules (``activation/``'s startup path);
 - no import circle among the package's modules (module-level imports);
 - no class of the core is longer than 150 lines (one concern per class: split it, as ``grads/`` is split).
 """
@@ -25,6 +31,31 @@ TOOLS = "fcdp_deepspeed.tools"
 INTEGRATIONS = "fcdp_deepspeed.integrations"
 STARTUP = "fcdp_deepspeed_autoload"
 STARTUP_FILE = ROOT / f"{STARTUP}.py"
+#: What the startup hook imports (at every interpreter start): the facade, the startup path of ``activation/``
+#: (standard library only) and the integrations' post-import registry.
+STARTUP_MODULES = {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload",
+                   "fcdp_deepspeed.activation.post_import", "fcdp_deepspeed.activation.version_gate", INTEGRATIONS}
+
+#: The rooms, bottom floor first ("" is the facade, ``fcdp_deepspeed/__init__.py``; a root file is a room of its
+#: own). A module may import modules of its own room and of rooms on lower floors; rooms on one floor are apart.
+FLOORS: list[tuple[str, ...]] = [
+    ("faults", "version"),    # test faults; the package version
+    ("config",),              # the config blocks, their refusals, DeepSpeed's release differences
+    ("machine",),             # the device door and strict mode; nodes, groups, communicators
+    ("reporting",),           # byte ledger, counters, timeline, monitor
+    ("storage",),             # cache entries and slots, placement, memory limits
+    ("grads",),               # the gradient path
+    ("compress",),            # lossy compression of the inter-node hop (params and gradients)
+    ("runtime", "diloco"),    # the parameter cache per engine; DiLoCo's outer steps
+    ("engine",),              # the stage-3 optimizer subclasses and what an engine adds
+    ("activation",),          # install(), the startup path, the version gate
+    ("integrations",),        # the HF Trainer callback
+    ("",),                    # the facade: the public names, lazy
+    ("run",),                 # python -m fcdp_deepspeed.run: install(), then the user's script
+    ("tools",),               # beside a job, never inside one
+]
+#: One-module ``fcdp`` commands and the dispatch that stay in ``tools/`` itself; every larger command is a folder.
+TOOLS_ROOT = {"__init__", "cli", "args", "configs", "demo", "doctor", "megatron_compare"}
 
 
 def _module_name(path: Path) -> str:
@@ -131,6 +162,102 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def room_of(module: str) -> str:
+    """``fcdp_deepspeed.machine.device`` -> ``machine``; the facade -> ``""``."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def import_targets(path: Path, module: str, modules: set[str]) -> set[str]:
+    """Package modules a file imports anywhere in it. ``from fcdp_deepspeed import x`` reaches the module
+    ``x`` where there is one and the facade otherwise; ``import fcdp_deepspeed.a.b`` reaches ``a.b``."""
+    package = _package_of(path, module)
+    targets: set[str] = set()
+
+    def nearest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        found: list[str | None] = []
+        if isinstance(node, ast.Import):
+            found = [nearest(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else nearest(base)
+                     for alias in node.names]
+        elif isinstance(node, ast.Call) and _called_name(node) == "import_module" and node.args:
+            if isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found = [nearest(node.args[0].value)]
+        targets.update(f for f in found if f and _under(f, PACKAGE) and f != module)
+    return targets
+
+
+def all_imports() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: import_targets(path, name, set(modules)) for name, path in modules.items()}
+
+
+def floor_violations(edges: dict[str, set[str]]) -> list[str]:
+    """Imports that run up a floor or across one (between two rooms of one floor)."""
+    floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+    return sorted(f"{src} -> {dst}" for src, targets in edges.items() for dst in targets
+                  if room_of(src) != room_of(dst) and floor[room_of(dst)] >= floor[room_of(src)])
+
+
+def test_every_module_lies_in_a_room_on_a_floor():
+    rooms = {room for floor in FLOORS for room in floor}
+    assert {room_of(name) for name in package_modules()} == rooms
+
+
+def test_no_import_runs_up_or_across_a_floor():
+    assert floor_violations(all_imports()) == []
+
+
+def test_the_floor_check_finds_imports_up_and_across():
+    """Broken variants: the config block importing the codec it configures (the arrow this layout removed),
+    runtime and DiLoCo importing each other (one floor), and the startup path calling the facade back."""
+    assert floor_violations({"fcdp_deepspeed.config": {"fcdp_deepspeed.compress.quant"}}) == [
+        "fcdp_deepspeed.config -> fcdp_deepspeed.compress.quant"]
+    assert floor_violations({"fcdp_deepspeed.runtime.fetch": {"fcdp_deepspeed.diloco.sync"}}) != []
+    assert floor_violations({"fcdp_deepspeed.activation.autoload": {PACKAGE}}) != []
+    assert floor_violations({"fcdp_deepspeed.compress.quant": {"fcdp_deepspeed.config"},
+                             "fcdp_deepspeed.engine.stage3": {"fcdp_deepspeed.engine.announce"}}) == []
+
+
+def test_the_import_reader_resolves_the_facade_and_submodules(tmp_path):
+    source = tmp_path / "x.py"
+    source.write_text("import fcdp_deepspeed\nfrom fcdp_deepspeed import install, faults\n"
+                      "def f():\n    from fcdp_deepspeed.machine import device\n    from .. import config\n")
+    modules = {PACKAGE, "fcdp_deepspeed.faults", "fcdp_deepspeed.machine", "fcdp_deepspeed.machine.device",
+               "fcdp_deepspeed.config", "fcdp_deepspeed.engine.x"}
+    assert import_targets(source, "fcdp_deepspeed.engine.x", modules) == {
+        PACKAGE, "fcdp_deepspeed.faults", "fcdp_deepspeed.machine.device", "fcdp_deepspeed.config"}
+
+
+def test_the_root_shows_the_rooms_and_each_says_what_it_holds():
+    rooms = {room for floor in FLOORS for room in floor} - {""}
+    files = {p.stem for p in PACKAGE_DIR.glob("*.py")}
+    folders = {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").exists()}
+    assert files == {"__init__", "faults", "version", "run"}, files
+    assert folders == rooms - files, folders
+    for init in PACKAGE_DIR.rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} says nothing of what it holds"
+
+
+def test_tools_are_grouped_by_command():
+    tools = PACKAGE_DIR / "tools"
+    assert {p.stem for p in tools.glob("*.py")} == TOOLS_ROOT
+    cli = ast.parse((tools / "cli.py").read_text())
+    commands = next(ast.literal_eval(n.value) for n in cli.body
+                    if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "COMMANDS")
+    for name, (module, _) in commands.items():  # a one-module command, or a module of the command's folder
+        assert module in package_modules() and module.count(".") in (2, 3), (name, module)
+
+
 def test_the_checks_see_the_whole_package():
     core = core_modules()
     for expected in ("fcdp_deepspeed.activation.api", "fcdp_deepspeed.engine.stage3", "fcdp_deepspeed.runtime",
@@ -217,8 +344,7 @@ def test_startup_hook_imports_only_the_standard_library():
             continue
         top = {n.split(".")[0] for n in module_level_imports(modules[name], name)}
         assert top <= set(sys.stdlib_module_names) | {PACKAGE}, (name, top)
-    assert reached <= {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload", "fcdp_deepspeed.activation.post_import",
-                       "fcdp_deepspeed.activation.version_gate", INTEGRATIONS}, sorted(reached)
+    assert reached <= STARTUP_MODULES, sorted(reached)
     assert len(STARTUP_FILE.read_text().splitlines()) <= 40
 
 
@@ -234,8 +360,7 @@ def test_startup_hook_loads_no_torch_deepspeed_or_transformers():
                           cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(eval(proc.stdout.strip().splitlines()[-1]))
-    assert loaded == {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activation.autoload", "fcdp_deepspeed.activation.post_import", "fcdp_deepspeed.activation.version_gate",
-                      INTEGRATIONS}, loaded
+    assert loaded == STARTUP_MODULES, loaded
 
 
 BLOCKED_IMPORT = """

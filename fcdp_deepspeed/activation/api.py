@@ -41,7 +41,7 @@ def install() -> None:
     (training) and the offload class (engines without an optimizer).
     ``deepspeed.initialize`` parses its config with :class:`~fcdp_deepspeed.engine.config_check.FCDPCheckedConfig`,
     which refuses an enabled block under ZeRO stage 0-2; it and ``zero.Init`` refuse a block inside
-    ``zero_optimization`` or under a near-miss key (``engine_config.check_zero_init``). This is the core half of the public
+    ``zero_optimization`` or under a near-miss key (``config_check.check_zero_init``). This is the core half of the public
     ``fcdp_deepspeed.install()``, which also installs the integrations (HF Trainer stats callback).
     """
     _stage3_module.DeepSpeedZeroOptimizer_Stage3 = CountedStage3

@@ -2,8 +2,8 @@
 
 The startup hook (``fcdp_deepspeed_autoload``, run by a ``.pth`` line at every interpreter start)
 calls :func:`start`, which only registers post-import hooks (:mod:`fcdp_deepspeed.activation.post_import`).
-When ``deepspeed`` has finished importing, :func:`on_deepspeed_imported` runs
-``fcdp_deepspeed.install()``; an enabled ``"fcdp"`` block then turns FCDP on and a config without
+When ``deepspeed`` has finished importing, :func:`on_deepspeed_imported` runs the core's
+``install()`` (``activation/api.py``; the startup hook installs the integrations itself); an enabled ``"fcdp"`` block then turns FCDP on and a config without
 one runs plain ZeRO-3. Standard library only at import: nothing here may pull in torch or DeepSpeed.
 
 On an untested DeepSpeed release nothing is installed (one warning); ``deepspeed.initialize`` then
@@ -87,8 +87,10 @@ def _stop_watching_package() -> None:
 def _install(deepspeed: Any) -> None:
     _stop_watching_package()
     try:
-        import fcdp_deepspeed
-        fcdp_deepspeed.install()
+        # [Note: the core only] The startup hook installs the integrations itself (fcdp_deepspeed_autoload.startup);
+        # calling the package's install() from here would be an import back up to the facade.
+        from fcdp_deepspeed.activation import api
+        api.install()
     except Exception as exc:  # the user's job must not fail because the plugin did
         reason = f"installing FCDP failed: {type(exc).__name__}: {exc}."
         _warn(f"fcdp-deepspeed autoload: {reason} DeepSpeed runs without FCDP.")

@@ -37,6 +37,8 @@ from typing import Literal
 
 import torch
 
+from fcdp_deepspeed.config import DEFAULT_BLOCK  # elements per scale block: fcdp.compression_block's default
+
 CodecName = Literal["off", "int8", "int4"]
 #: ``fcdp.param_compression`` / ``fcdp.grad_compression`` values that compress.
 CODECS = ("int8", "int4")
@@ -234,10 +236,6 @@ class IdentityCodec(Codec):
 
     def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
         return packed.contiguous().view(torch.float32).narrow(1, 0, numel).clone()
-
-
-#: Default elements per scale block (``fcdp.compression_block``).
-DEFAULT_BLOCK = 128
 
 
 #: Which side's ``int4`` rotates its blocks ([Note: the rotation]): gradients, whose blocks are heavy-tailed.

@@ -4,6 +4,10 @@ The block sits at the top level of the DeepSpeed JSON (DeepSpeed ignores unknown
 but rejects unknown keys inside ``zero_optimization``). It is a ``DeepSpeedConfigModel`` so a
 typo fails with the same strictness as DeepSpeed's own blocks, but errors are re-raised as
 :class:`FCDPConfigError` naming the key and the fix.
+
+The folder holds what reads configs, below every other room: this module (the block), ``diloco.py`` (its
+``diloco`` block), ``errors.py`` (bad input into one message per key, with the fix), ``model.py`` (the strict
+base model) and ``ds_compat.py`` (the DeepSpeed internals that differ between the supported releases).
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 import hjson
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
-from fcdp_deepspeed.compress.quant import DEFAULT_BLOCK, is_power_of_two
 from fcdp_deepspeed.config import ds_compat
 from fcdp_deepspeed.config.diloco import DiLoCoField, ds_problems as diloco_problems
 from fcdp_deepspeed.config.errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
+
+#: Default elements per scale block of the compression codec (``fcdp.compression_block``; ``compress/quant.py``).
+DEFAULT_BLOCK = 128
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
@@ -309,7 +315,7 @@ def _rotated_int4_needs_a_power_of_two_block(data: Any) -> None:
     if not isinstance(data, Mapping) or data.get("grad_compression") != "int4":
         return
     block = data.get("compression_block", DEFAULT_BLOCK)
-    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and not is_power_of_two(block):
+    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and block & (block - 1):
         low = 1 << (block.bit_length() - 1)
         raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.grad_compression = \"int4\": int4 gradients "
                               f"are rotated blockwise by a Walsh-Hadamard transform, which needs a power-of-two block. "

@@ -23,6 +23,8 @@ import torch
 from deepspeed import comm as dist
 import deepspeed.comm.comm as _comm_module  # the live ``cdb`` global (the package re-export is a stale copy)
 
+from fcdp_deepspeed.machine.topology import group_ranks
+
 INTER = "inter_node"
 INTRA = "intra_node"
 #: Tag under which every gradient-reduction collective is also counted (``*_grad_reduce_bytes``),
@@ -284,7 +286,6 @@ class CommLedger:
         key = id(group)
         info = self._group_cache.get(key)
         if info is None:
-            from fcdp_deepspeed.machine.topology import group_ranks
             ranks = group_ranks(group)
             me = dist.get_rank()
             info = (ranks, ranks.index(me) if me in ranks else -1)

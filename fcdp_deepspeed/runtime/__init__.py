@@ -1,6 +1,6 @@
 """Per-engine FCDP runtime: :class:`FCDPRuntime` attaches the node cache to one stage-3 engine.
 
-The stage-3 hook (``stage3.py``) holds one ``FCDPRuntime`` per engine and calls only its public
+The stage-3 hook (``engine/stage3.py``) holds one ``FCDPRuntime`` per engine and calls only its public
 methods. Each concern is one module here, with the state it owns in one dataclass:
 
 - ``attach.py`` (:class:`Attachment`: topology, cache entries, why the rest is uncached): which
@@ -23,7 +23,7 @@ methods. Each concern is one module here, with the state it owns in one dataclas
 Entry states and slots belong to :class:`~fcdp_deepspeed.storage.cache.NodeCache`; counters to
 :mod:`fcdp_deepspeed.reporting.stats`. The gradient path (hierarchical reduction, node-local accumulation) is
 its own concern, :mod:`fcdp_deepspeed.grads`: it shares this runtime's topology and is routed from
-``stage3.py``'s reduction hooks (engines without an optimizer have no gradients).
+``engine/stage3.py``'s reduction hooks (engines without an optimizer have no gradients).
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Tooling that runs beside a training job, never inside one.
 
-The plugin core (``fcdp_deepspeed/*.py``, ``fcdp_deepspeed/runtime/``) never imports this package
-(``tests/test_architecture.py`` checks it): a training process loads none of it.
+The plugin core (every other room of the package) never imports this package (``tests/test_architecture.py``
+checks it): a training process loads none of it. Grouped by command:
 
-- ``launch.py``, ``_worker.py``: run a function on N local gloo ranks (tests, demo, benchmark);
-- ``cluster.py``: an emulated multi-node cluster (network namespaces, shaped uplinks);
-- ``toy.py``: tiny models and a deterministic training loop;
-- ``bench.py``, ``planner.py`` (with ``tools/plan/compression.py``, the compressed rows' model), ``demo.py``,
-  ``doctor.py``: ``fcdp bench``, ``fcdp plan``, ``fcdp demo``, ``fcdp doctor``;
-- ``fuzz/``: random event sequences against ZeRO-3 (a hypothesis state machine on a rank server), ``fcdp soak``;
-- ``cli.py``: the ``fcdp`` command; ``args.py``: the argument checks every subcommand shares.
+- ``cli.py``: the ``fcdp`` command; ``args.py``: the argument checks every command shares;
+- ``doctor.py``, ``demo.py``, ``configs.py``: ``fcdp doctor``, ``fcdp demo``, ``fcdp configs``;
+- ``harness/``: ranks and clusters on one machine (``run_local``, the fork server, the emulated cluster, toy
+  models): what every command and the tests run FCDP with;
+- ``bench/``: ``fcdp bench``; ``plan/``: ``fcdp plan``; ``converge/``: ``fcdp converge``; ``fuzz/``: ``fcdp soak``;
+- ``reliability/``: the restart and resize sweep; ``gpu/``: the GPU check; ``megatron_compare.py``: the
+  Megatron-DeepSpeed check's comparison.
 """
