@@ -274,6 +274,25 @@ def test_checkpoints_across_modes_refuse_rigid_loads_and_convert_through_univers
     assert all(torch.equal(fp32[k].float(), res[0]["diloco_weights"][k]) for k in fp32)
 
 
+def test_the_outer_optimizer_sweep_and_the_doc_quote_each_other():
+    """docs/converge_diloco_outer_sweep.json (the plain-PyTorch reference, H = 10, 500 steps): docs/DILOCO.md quotes
+    every setting's held-out loss and its ratio to exact; plain averaging is the best of them."""
+    import json
+    from pathlib import Path
+    from fcdp_deepspeed.tools.converge import converge
+    root = Path(__file__).resolve().parent.parent
+    data = json.loads((root / "docs" / "converge_diloco_outer_sweep.json").read_text())
+    doc = (root / "docs" / "DILOCO.md").read_text()
+    exact = data["meta"]["exact_final_heldout_loss"]
+    for rec in data["records"]:
+        assert rec["steps"] == 500 and len(rec["train_losses"]) == 500
+        assert rec["diloco"] == converge.diloco_block(rec["setting"])
+        loss = rec["final_heldout_loss"]
+        assert f"| `{rec['setting']}` |" in doc and f"| {loss:.4f} | {loss / exact:.4f}x |" in doc, rec["setting"]
+    best = min(data["records"], key=lambda r: r["final_heldout_loss"])
+    assert best["diloco"]["outer_lr"] == 1.0 and best["diloco"]["outer_momentum"] == 0.0
+
+
 def test_committed_convergence_sweep_and_the_doc_quote_each_other():
     """docs/converge_diloco_results.json (`fcdp converge`, 500 steps, the 1.33M-parameter byte GPT): every rank bitwise
     equal at the end; docs/DILOCO.md quotes every DiLoCo row's held-out loss against exact's, and whether it is
