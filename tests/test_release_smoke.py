@@ -170,8 +170,8 @@ def _host_entry(numel: int = 40):
 
 
 def test_pinning_takes_the_release_allocator():
-    """Every host pool allocates pinned memory with the allocator this release has: DeepSpeed 0.19's
-    ``accelerator.pin_empty``, else torch's pinned ``torch.empty`` (0.16-0.18's accelerators lack
+    """Every host pool allocates pinned memory with the allocator this release has: DeepSpeed 0.19.7's
+    ``accelerator.pin_empty``, else torch's pinned ``torch.empty`` (0.16-0.19.6's accelerators lack
     ``pin_empty``: before the fallback, every default config died at build on CUDA with AttributeError)."""
     from deepspeed.accelerator import get_accelerator
     from fcdp_deepspeed.compress import residual
@@ -179,8 +179,8 @@ def test_pinning_takes_the_release_allocator():
     from fcdp_deepspeed.storage.cache import Placement, SlotPool
     has = callable(getattr(get_accelerator(), "pin_empty", None))
     import deepspeed
-    release = tuple(int(x) for x in deepspeed.__version__.split(".")[:2])
-    assert has == (release >= (0, 19)), (release, has)
+    release = tuple(int(x) for x in deepspeed.__version__.split("+")[0].split(".")[:3])
+    assert has == (release >= (0, 19, 7)), (release, has)  # pin_empty arrived in 0.19.7 (0.19.5/0.19.6 lack it)
     door = _CanPinDoor.make(stand_in=True)
     with device.use(door):
         assert device.pin_path() == ("accelerator" if has else "torch")
