@@ -30,7 +30,8 @@ Correctness:
   fill on release is the normal one). Cancelling waits for the work (every rank issued it) and issues nothing.
 
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
-together (the host budget of the run-ahead; 0 turns it off). Host-communication backends only (gloo): on an
+together (the host budget of the run-ahead; 0 turns it off), refilled as fetches take groups ([Note: a rolling
+push]). Host-communication backends only (gloo): on an
 accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
 ``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
 With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its references are written in it).
