@@ -26,6 +26,19 @@ def test_runahead_bit_identical_to_zero3_and_used(results):
         assert s["timeline_view"] == "host" and s["timeline_forward_gather_calls"] > 0
 
 
+def test_a_rolling_push_is_bit_identical_and_issues_as_fetches_take(results):
+    """A budget of about one group: the step's end pushes the first group, each fetch that takes one issues the next
+    (``param_push_rolled``), and the values are ZeRO-3's; the same budget with invalidations skipped is stale (the
+    group pushed at the step's end survives the checkpoint load)."""
+    for r in results:
+        assert r["rolling"]["losses"] == r["plain"]["losses"]
+        assert torch.equal(r["rolling"]["out"], r["plain"]["out"]) and torch.equal(r["rolling"]["out2"], r["plain"]["out2"])
+        s, full = r["rolling"]["stats"], r["fcdp"]["stats"]
+        assert s["param_push_rolled"] > 0 and s["param_push_groups"] < full["param_push_groups"], (s, full)
+        assert s["param_push_used"] >= s["param_push_rolled"]
+        assert not torch.equal(r["rolling_skip_invalidation"]["out"], r["plain"]["out"])
+
+
 def test_waits_for_the_late_peer(results):
     """Rank 2 pushes 0.3 s late: its peer rank 0 waits in push_wait instead of reading early."""
     s = results[0]["fcdp"]["stats"]

@@ -30,7 +30,8 @@ Correctness:
   fill on release is the normal one). Cancelling waits for the work (every rank issued it) and issues nothing.
 
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
-together (the host budget of the run-ahead; 0 turns it off). Host-communication backends only (gloo): on an
+together (the host budget of the run-ahead; 0 turns it off), refilled as fetches take groups ([Note: a rolling
+push]). Host-communication backends only (gloo): on an
 accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
 ``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
 With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its references are written in it).
@@ -77,6 +78,8 @@ class RunAheadCounters(EventCounters):
     unused: int = 0
     """Pushed groups no fetch took before the next push (a changed fetch pattern: bytes crossed for nothing)."""
     pushed_bytes: int = 0
+    rolled: int = 0
+    """Groups issued later, by a fetch that took a pushed group ([Note: a rolling push])."""
 
 
 @dataclass(eq=False)
@@ -88,6 +91,7 @@ class Pending:
     bundle: torch.Tensor
     part: int
     work: Any
+    params: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -103,6 +107,8 @@ class RunAhead:
     #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params.
     trace: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)
+    #: The planned groups the budget held back at the push, in order: issued as fetches take pending ones.
+    planned: list = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def record(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -113,10 +119,13 @@ class RunAhead:
     def take(self, params: Sequence[torch.nn.Parameter]) -> Optional[Pending]:
         """The pending stage 1 of exactly ``params`` (still in flight: the gather's queue waits for it before
         its stage 2, ``sequencer.py``), or ``None``."""
+        key = tuple(p.ds_id for p in params)
         with self._lock:
-            pending = self.pending.pop(tuple(p.ds_id for p in params), None)
+            pending = self.pending.pop(key, None)
+            self.planned = [group for group in self.planned if tuple(p.ds_id for p in group) != key]
         if pending is not None:
             self.counters.bump(used=1)
+            self._issue(rolled=True)
         return pending
 
     def plan(self, trace: list) -> list[list]:
@@ -140,22 +149,45 @@ class RunAhead:
         delay = _push_delay()
         if delay:
             time.sleep(delay)  # test-only skew (FCDP_PUSH_DELAY)
-        total = 0
-        for params in self.plan(trace):
-            key = tuple(p.ds_id for p in params)
-            if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
-                                              p.ds_secondary_tensor is None for p in params):
-                continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
-            nbytes = sum(p.ds_tensor.ds_numel for p in params) * self.gather.layout.dp_size * params[0].element_size()
-            if total + nbytes > self.max_bytes:
-                break  # a prefix of the trace, in order, on every rank alike
-            total += nbytes
-            flat, bundle, mine, part = self.gather.buffers(params)
-            work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
-            timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
-            with self._lock:
-                self.pending[key] = Pending(key, flat, bundle, part, work)
-        self.counters.bump(pushed=len(self.pending), pushed_bytes=total)
+        with self._lock:
+            self.planned = self.plan(trace)
+        self._issue(rolled=False)
+
+    def _issue(self, rolled: bool) -> None:
+        """Issue stage 1 of the planned groups, in order, while the pending ones fit the budget.
+
+        [Note: a rolling push] At the step's end the budget takes a prefix of the plan; each fetch that takes a
+        pending group frees its bytes and issues the next planned groups, so a budget of a few groups keeps the
+        inter-node link busy through the whole forward (the fetches of the last modules find their stage 1 done)
+        without holding the whole model. Agreed: pushes happen at the step's end and inside fetches of the same
+        groups, points every rank reaches in one order, and the plan and the statuses are the same on every rank.
+        Fresh: a group's partitions are copied when it is issued, after every event before that point, and
+        every later event cancels it (:meth:`cancel`)."""
+        with self._lock:
+            total = sum(self._nbytes(v.params) for v in self.pending.values())
+            issued = 0
+            while self.planned:
+                params = self.planned[0]
+                key = tuple(p.ds_id for p in params)
+                if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
+                                                  p.ds_secondary_tensor is None for p in params):
+                    self.planned.pop(0)
+                    continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
+                nbytes = self._nbytes(params)
+                if total + nbytes > self.max_bytes:
+                    break  # a prefix of the plan, in order, on every rank alike
+                self.planned.pop(0)
+                total += nbytes
+                flat, bundle, mine, part = self.gather.buffers(params)
+                work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
+                timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
+                self.pending[key] = Pending(key, flat, bundle, part, work, list(params))
+                issued += 1
+                self.counters.bump(pushed_bytes=nbytes)
+        self.counters.bump(**{"rolled" if rolled else "pushed": issued})
+
+    def _nbytes(self, params: Sequence[torch.nn.Parameter]) -> int:
+        return sum(p.ds_tensor.ds_numel for p in params) * self.gather.layout.dp_size * params[0].element_size()
 
     def cancel(self, params: Optional[Iterable[torch.nn.Parameter]], unused: bool = False) -> None:
         """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any.
@@ -164,7 +196,7 @@ class RunAhead:
             return  # test-only: a push that survives an invalidation
         with self._lock:
             if params is None:
-                dropped, self.pending = list(self.pending.values()), {}
+                dropped, self.pending, self.planned = list(self.pending.values()), {}, []
             else:
                 ids = {p.ds_id for p in params}
                 dropped = [v for k, v in self.pending.items() if ids.intersection(k)]
@@ -181,7 +213,7 @@ class RunAhead:
 
     def stats(self) -> dict:
         c = self.counters
-        return {"param_push_groups": c.pushed, "param_push_used": c.used, "param_push_cancelled": c.cancelled,
+        return {"param_push_groups": c.pushed, "param_push_rolled": c.rolled, "param_push_used": c.used, "param_push_cancelled": c.cancelled,
                 "param_push_unused": c.unused,
                 "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
 

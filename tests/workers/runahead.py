@@ -22,8 +22,13 @@ def _edit_trainable(engine, delta: float) -> None:
             param.data.add_(delta)
 
 
-def _run(fcdp: bool, ckpt_dir: str, tag: str) -> dict:
-    cfg = toy.ds_config(fcdp_block(param_push_bytes=2**30) if fcdp else None, regime="large")  # opt-in
+#: A budget of about one module's group (a block's fc: 32 x 32 + 32 fp32 elements, 4,224 bytes at full size): the
+#: step's end pushes the first group, each fetch that takes one issues the next ([Note: a rolling push]).
+ROLLING_BYTES = 6000
+
+
+def _run(fcdp: bool, ckpt_dir: str, tag: str, budget: int = 2**30) -> dict:
+    cfg = toy.ds_config(fcdp_block(param_push_bytes=budget) if fcdp else None, regime="large")  # opt-in
     engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
     # from the third step on nothing synchronizes the ranks between a push and its use (DeepSpeed's trace is complete)
     losses = toy.train(engine, 3, hidden=HIDDEN).losses
@@ -44,9 +49,11 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
     setup()
     os.environ[runahead.DELAY_ENV] = f"2:{delay_s}"
     out = {"plain": _run(False, ckpt_dir, "plain")}
-    for name, broken in (("fcdp", ""), ("read_early", "read_early"), ("skip_invalidation", "skip_invalidation")):
+    for name, broken, budget in (("fcdp", "", 2**30), ("read_early", "read_early", 2**30),
+                                 ("skip_invalidation", "skip_invalidation", 2**30), ("rolling", "", ROLLING_BYTES),
+                                 ("rolling_skip_invalidation", "skip_invalidation", ROLLING_BYTES)):
         os.environ[runahead.BREAK_ENV] = broken
-        out[name] = _run(True, ckpt_dir, name)
+        out[name] = _run(True, ckpt_dir, name, budget)
         os.environ[runahead.BREAK_ENV] = ""
     return out
 

@@ -52,6 +52,8 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
                "fcdp_node_push": {"grad_accumulation": "node", "param_push_bytes": 2**30},
+               # a rolling push of a few groups ([Note: a rolling push]): 8 MiB of host buffers in flight
+               "fcdp_node_push8m": {"grad_accumulation": "node", "param_push_bytes": 8 * 2**20},
                # issue 31 item 3: the gradient's inter-node stage as before it ran behind the backward (each stage
                # waited for where it is issued, DeepSpeed's bucket size: one bucket for the bench model)
                "fcdp_node_syncgrad": {"grad_accumulation": "node", "grad_inflight_buckets": 0, "grad_bucket_size": 0}}
@@ -65,7 +67,7 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
 #: before a change), interleaved with this one's engines in one run: a side-by-side before/after on one machine.
