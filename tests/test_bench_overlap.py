@@ -66,3 +66,19 @@ def test_benchmarks_md_says_met_or_missed_per_target():
     by = _by(RUNS[0])
     codec = by[(0, "fcdp_int4")]["step_time_s"] / by[(0, AFTER)]["step_time_s"]
     assert f"| int4/int4 compute vs exact, GA 1 | {codec:.2f}x | {'met' if codec <= 1.25 else 'missed'} |" in text
+
+
+PUSH_RUNS = ("bench_overlap_push_ga1_results.json", "bench_overlap_push_prefetch_results.json",
+             "bench_overlap_push_ga4_results.json")
+
+
+@pytest.mark.parametrize("name", PUSH_RUNS)
+def test_the_rolling_push_changes_no_value_and_is_quoted(name):
+    """The rolling push runs (``fcdp_node`` vs ``fcdp_node_push8m``, one run each): the same losses bit for bit on
+    both networks, the pushed groups were waited for (push wait > 0) and BENCHMARKS.md quotes the shaped table."""
+    by = _by(name)
+    for rate in (100, 0):
+        assert by[(rate, "fcdp_node_push8m")]["losses"] == by[(rate, "fcdp_node")]["losses"]
+    assert by[(100, "fcdp_node_push8m")]["timeline_s"]["push_wait"] > 0
+    assert by[(100, "fcdp_node")]["timeline_s"].get("push_wait", 0) == 0
+    assert timeline_plot.markdown(_rows(name), 100) in (DOCS / "BENCHMARKS.md").read_text()
