@@ -82,3 +82,19 @@ def test_the_rolling_push_changes_no_value_and_is_quoted(name):
     assert by[(100, "fcdp_node_push8m")]["timeline_s"]["push_wait"] > 0
     assert by[(100, "fcdp_node")]["timeline_s"].get("push_wait", 0) == 0
     assert timeline_plot.markdown(_rows(name), 100) in (DOCS / "BENCHMARKS.md").read_text()
+
+
+@pytest.mark.parametrize("name", ("bench_overlap_layouts_results.json", "bench_overlap_lora10_results.json"))
+def test_the_layout_and_lora_runs_change_no_value_and_are_quoted(name):
+    """2 x 4, 4 x 2 and LoRA at 10 Mbit/s: the push changed no loss (per layout and network), and BENCHMARKS.md quotes
+    every shaped row's step, compute, wire and ratio; LoRA's defaults stay within 1.1x of their limit."""
+    rows = _rows(name)
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    by = {(r["layout"], r["rate_mbit"], r["engine"]): r for r in rows}
+    for (layout, rate, engine), r in by.items():
+        assert r["losses"] == by[(layout, rate, "fcdp_node")]["losses"], (layout, rate, engine)
+        if r.get("step_vs_floor"):
+            assert (f"| {layout} | {r['job']} | {engine} | {r['step_time_s']:.3f} | {r['compute_s']:.3f} | "
+                    f"{r['wire_s']:.3f} | {r['step_vs_floor']:.2f}x |") in text
+    if "lora" in name:
+        assert by[("2x2", 10, "fcdp_node")]["step_vs_floor"] <= 1.1
