@@ -91,7 +91,7 @@ class Pending:
     bundle: torch.Tensor
     part: int
     work: Any
-    params: list = field(default_factory=list)
+    nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -107,8 +107,9 @@ class RunAhead:
     #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params.
     trace: list = field(default_factory=list)
     pending: dict = field(default_factory=dict)
-    #: The planned groups the budget held back at the push, in order: issued as fetches take pending ones.
-    planned: list = field(default_factory=list)
+    #: The planned groups the budget held back at the push, by key in plan order: issued as fetches take pending
+    #: ones (a dict: a fetch drops its own key in O(1), and a group planned twice is issued once).
+    planned: dict = field(default_factory=dict)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def record(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -122,7 +123,7 @@ class RunAhead:
         key = tuple(p.ds_id for p in params)
         with self._lock:
             pending = self.pending.pop(key, None)
-            self.planned = [group for group in self.planned if tuple(p.ds_id for p in group) != key]
+            self.planned.pop(key, None)
         if pending is not None:
             self.counters.bump(used=1)
             self._issue(rolled=True)
@@ -150,7 +151,9 @@ class RunAhead:
         if delay:
             time.sleep(delay)  # test-only skew (FCDP_PUSH_DELAY)
         with self._lock:
-            self.planned = self.plan(trace)
+            self.planned = {}
+            for params in self.plan(trace):
+                self.planned.setdefault(tuple(p.ds_id for p in params), params)
         self._issue(rolled=False)
 
     def _issue(self, rolled: bool) -> None:
@@ -164,30 +167,27 @@ class RunAhead:
         Fresh: a group's partitions are copied when it is issued, after every event before that point, and
         every later event cancels it (:meth:`cancel`)."""
         with self._lock:
-            total = sum(self._nbytes(v.params) for v in self.pending.values())
+            total = sum(v.nbytes for v in self.pending.values())
             issued = 0
             while self.planned:
-                params = self.planned[0]
-                key = tuple(p.ds_id for p in params)
+                key, params = next(iter(self.planned.items()))
                 if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
                                                   p.ds_secondary_tensor is None for p in params):
-                    self.planned.pop(0)
+                    del self.planned[key]
                     continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
-                nbytes = self._nbytes(params)
+                numel = sum(p.ds_tensor.ds_numel for p in params)
+                nbytes = numel * self.gather.layout.dp_size * params[0].element_size()
                 if total + nbytes > self.max_bytes:
                     break  # a prefix of the plan, in order, on every rank alike
-                self.planned.pop(0)
+                del self.planned[key]
                 total += nbytes
                 flat, bundle, mine, part = self.gather.buffers(params)
                 work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
                 timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
-                self.pending[key] = Pending(key, flat, bundle, part, work, list(params))
+                self.pending[key] = Pending(key, flat, bundle, part, work, nbytes)
                 issued += 1
                 self.counters.bump(pushed_bytes=nbytes)
         self.counters.bump(**{"rolled" if rolled else "pushed": issued})
-
-    def _nbytes(self, params: Sequence[torch.nn.Parameter]) -> int:
-        return sum(p.ds_tensor.ds_numel for p in params) * self.gather.layout.dp_size * params[0].element_size()
 
     def cancel(self, params: Optional[Iterable[torch.nn.Parameter]], unused: bool = False) -> None:
         """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any.
@@ -196,7 +196,7 @@ class RunAhead:
             return  # test-only: a push that survives an invalidation
         with self._lock:
             if params is None:
-                dropped, self.pending, self.planned = list(self.pending.values()), {}, []
+                dropped, self.pending, self.planned = list(self.pending.values()), {}, {}
             else:
                 ids = {p.ds_id for p in params}
                 dropped = [v for k, v in self.pending.items() if ids.intersection(k)]
@@ -213,8 +213,8 @@ class RunAhead:
 
     def stats(self) -> dict:
         c = self.counters
-        return {"param_push_groups": c.pushed, "param_push_rolled": c.rolled, "param_push_used": c.used, "param_push_cancelled": c.cancelled,
-                "param_push_unused": c.unused,
+        return {"param_push_groups": c.pushed, "param_push_rolled": c.rolled, "param_push_used": c.used,
+                "param_push_cancelled": c.cancelled, "param_push_unused": c.unused,
                 "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
 
 
