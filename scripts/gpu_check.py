@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=None, help="toy model width (default 1024 on a GPU, 32 dry)")
     ap.add_argument("--layers", type=int, default=None, help="toy model depth (default 32 on a GPU, 3 dry)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per variant (>= 3 for auto at step 3)")
+    ap.add_argument("--cases", default="", help="case letters to run, e.g. bd (default: every case that fits)")
     args = ap.parse_args(argv)
     gpus = gpu_count()
     if not gpus and not args.dry_run_cpu:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     from fcdp_deepspeed.tools.gpu import check as gpu_check
     dry = args.dry_run_cpu
     report = gpu_check.run(dry_run=dry, gpus=0 if dry else gpus, hidden=args.hidden or (32 if dry else 1024),
-                           layers=args.layers or (3 if dry else 32), steps=args.steps)
+                           layers=args.layers or (3 if dry else 32), steps=args.steps, only=args.cases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one command of the GPU check on the device machine (docs/GPU-check.md):
-#   bash scripts/gpu_run.sh OUTDIR        # run tool: carry [".whl"], command "bash scripts/gpu_run.sh $OUT/gpu"
+#   bash scripts/gpu_run.sh OUTDIR [gpu_check.py options]   # run tool: carry [".whl"], command "bash scripts/gpu_run.sh $OUT/gpu"
+#   (a rerun of some cases: bash scripts/gpu_run.sh $OUT/gpu --cases bd)
 # Installs the offline wheelhouse built by scripts/gpu_bundle.sh into /tmp/site (no network, no index), puts it
 # on PYTHONPATH, runs scripts/gpu_check.py within a time budget, and writes into OUTDIR: gpu_check.json, the
 # check's log, the environment it saw (env.txt) and the install log. At most 8 minutes in all (the check's own
@@ -30,7 +31,7 @@ export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 # DeepSpeed JIT-builds ops into this folder if anything asks for one (the check uses torch's Adam: nothing should).
 export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions PYTHONUNBUFFERED=1
 $py -c "import deepspeed, fcdp_deepspeed, pydantic, hjson; print('deepspeed', deepspeed.__version__, '| fcdp', fcdp_deepspeed.__version__, fcdp_deepspeed.__file__, '| accelerator', deepspeed.get_accelerator().device_name())" >> "$out/env.txt" 2>&1
-timeout -k 10 "$budget" $py scripts/gpu_check.py --json "$out/gpu_check.json" > "$out/gpu_check.log" 2>&1
+timeout -k 10 "$budget" $py scripts/gpu_check.py --json "$out/gpu_check.json" "${@:2}" > "$out/gpu_check.log" 2>&1
 rc=$?
 echo "gpu_check rc=$rc in $((SECONDS - start)) s (budget ${budget} s; 124: timed out)" | tee -a "$out/env.txt"
 tail -40 "$out/gpu_check.log"

@@ -89,7 +89,10 @@ def test_auto_bucket_cap():
     """[Note: bucket-sized work]: about eight buckets, never under 2**18 elements nor above DeepSpeed's value."""
     from fcdp_deepspeed.engine.grad_steps import bucket_cap
     assert bucket_cap("auto", 2_630_000, 500_000_000) == 328_750  # the bench model: 8 buckets
-    assert bucket_cap("auto", 7 * 10**9, 500_000_000) == 500_000_000  # a 7B model keeps DeepSpeed's
+    # a 7B model: a third of DeepSpeed's ([Note: the bucket pays for the stages in flight])
+    assert bucket_cap("auto", 7 * 10**9, 500_000_000) == 166_666_666
+    assert bucket_cap("auto", 1_200_000_000, 500_000_000) == 150_000_000  # its eighth is under a third
+    assert bucket_cap("auto", 10**9, 600_000) == 2**18  # never under the minimum
     assert bucket_cap("auto", 4_000, 500_000_000) == 2**18  # the test toys: one bucket
     assert bucket_cap(0, 10**9, 5) == 5 and bucket_cap(100, 10**9, 500) == 100 and bucket_cap(100, 10, 50) == 50
 

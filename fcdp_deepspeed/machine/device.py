@@ -177,6 +177,10 @@ class Door:
             if empty is not None:
                 empty()
 
+    def empty_accel_cache(self) -> None:
+        """Hand the accelerator allocator's cached, unused blocks back to the device (a no-op on the CPU)."""
+        get_accelerator().empty_cache()
+
 
 _DOOR: Door = Door()
 _LOCK = threading.Lock()
@@ -314,3 +318,7 @@ def split_done(retired: list[tuple[torch.Tensor, Any]]) -> tuple[list[torch.Tens
 
 def empty_host_cache() -> None:
     _DOOR.empty_host_cache()
+
+
+def empty_accel_cache() -> None:
+    _DOOR.empty_accel_cache()

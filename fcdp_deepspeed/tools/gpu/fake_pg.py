@@ -74,8 +74,10 @@ def train_step(engine, micro: int, hidden: int) -> tuple[list[torch.Tensor], int
     return losses, micro
 
 
-def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, on_gpu: bool) -> dict:
-    """Build, train ``steps`` traced steps and release one engine; memory relative to before it."""
+def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, on_gpu: bool,
+                    **zero_extra: Any) -> dict:
+    """Build, train ``steps`` traced steps and release one engine; memory relative to before it.
+    ``zero_extra``: more ``zero_optimization`` keys (the like-for-like ZeRO-3 sets ``reduce_bucket_size``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -91,7 +93,7 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     block = {"enabled": True, "ranks_per_node": 2, **fcdp} if fcdp is not None else None
     # prefetch on, parameters released after use (the regime where backward re-gathers)
     cfg = toy.ds_config(block, regime="default", grad_accum=2, stage3_max_reuse_distance=0,
-                        stage3_prefetch_bucket_size=2 * hidden * hidden)
+                        stage3_prefetch_bucket_size=2 * hidden * hidden, **zero_extra)
     fcdp_deepspeed.install()
     model = gated_model(hidden, layers)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
@@ -114,6 +116,7 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
         out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction,
                              "gather_timeline": holder[1]})
     out["losses"] = [float(v) for v in losses]
+    out["reduce_bucket_size"] = int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
     stats = fcdp_deepspeed.get_stats(engine)
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
                                               "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
@@ -148,6 +151,11 @@ def steady_state_problem(run: dict) -> str:
 
 def within(value: float, reference: float, tolerance: float = MEMORY_TOLERANCE) -> bool:
     return abs(value - reference) <= tolerance * max(reference, 1)
+
+
+def at_most(value: float, reference: float, tolerance: float = MEMORY_TOLERANCE) -> bool:
+    """The user's claim: FCDP never needs more accelerator memory than ZeRO-3 (+ the margin); less is fine."""
+    return value <= reference + tolerance * max(reference, 1)
 
 
 def init_fake_world(res: CaseResult) -> None:
@@ -210,6 +218,16 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     res = CaseResult("b_fake_pg")
     init_fake_world(res)
     on_gpu = not dry_run
+    # [Note: two ZeRO-3 references] FCDP caps DeepSpeed's reduce bucket (``fcdp.grad_bucket_size: auto``, a few
+    # buckets of the trainable elements) and shrinks its contiguous bucket buffer, which DeepSpeed allocates at
+    # ``reduce_bucket_size`` (5e8 elements: 2 GB in fp32) whatever the model's size. Seen on the first H200 run: FCDP
+    # peaked 2.0 GB *below* ZeRO-3, so a two-sided 5% check against ZeRO-3's defaults failed on a saving, while with
+    # the *same* bucket (``zero3_same_bucket``) FCDP was 1.16 buckets above ZeRO-3 (the gradient stages in flight).
+    # So: the user's claim, one-sided against ZeRO-3's defaults; FCDP's own extra against ``zero3_same_bucket``, at
+    # most 2 buckets (what ``auto``'s third of DeepSpeed's bucket assumes: [Note: the bucket pays for the stages in
+    # flight] in ``engine/grad_steps.py``); and the large-model regime, where ``auto`` no longer shrinks an oversized
+    # buffer: both with ``reduce_bucket_size`` at an eighth of the model (``large_*``), FCDP at most ZeRO-3 (+5%).
+    # ``host_sync``: the stages not in flight (``grad_inflight_buckets: 0``), a number to attribute the extra.
     variants = {"zero3": None, "host": {"cache_device": "host"},
                 "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"},
                 "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"}}
@@ -221,15 +239,38 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
                 runs[name] = measure_variant(extra, hidden, layers, steps, on_gpu)
             except Exception as exc:  # report it, keep the other variants' numbers
                 res.check(f"{name}: ran", False, call_site(exc))
+        bucket = runs.get("host", {}).get("reduce_bucket_size")
+        more = {"zero3_same_bucket": (None, bucket), "host_sync": ({"cache_device": "host", "grad_inflight_buckets": 0},
+                                                                   None),
+                "large_host": ({"cache_device": "host"}, bucket)}
+        for name, (extra, ds_bucket) in more.items() if bucket else ():
+            try:
+                runs[name] = measure_variant(extra, hidden, layers, steps, on_gpu,
+                                             **({"reduce_bucket_size": ds_bucket} if ds_bucket else {}))
+            except Exception as exc:
+                res.check(f"{name}: ran", False, call_site(exc))
     res.numbers.update(hidden=hidden, layers=layers, steps=steps, runs=runs)
-    if len(runs) < len(variants):
+    if len(runs) < len(variants) + len(more):
         return res
-    z, host, auto = runs["zero3"], runs["host"], runs["auto"]
+    z, zs, host, auto = runs["zero3"], runs["zero3_same_bucket"], runs["host"], runs["auto"]
     why = "" if on_gpu else "CPU accelerator: no device memory or streams"
+    bucket_bytes = bucket * 4  # the toy is fp32
+    res.numbers["reduce_bucket_size"] = {n: r["reduce_bucket_size"] for n, r in runs.items()}
+    res.numbers["extra_over_same_bucket_in_buckets"] = {
+        n: round((max(runs[n]["peak_allocated"]) - max(zs["peak_allocated"])) / bucket_bytes, 3)
+        for n in ("host", "node_host", "host_sync")}
     for name in ("host", "node_host"):
         for kind in ("allocated", "reserved"):
-            a, b = max(runs[name][f"peak_{kind}"]), max(z[f"peak_{kind}"])
-            res.check(f"{name}: peak {kind} within 5% of ZeRO-3", within(a, b), f"{a} vs {b} bytes {why}", on_gpu)
+            a, b, c = max(runs[name][f"peak_{kind}"]), max(z[f"peak_{kind}"]), max(zs[f"peak_{kind}"])
+            res.check(f"{name}: peak {kind} at most ZeRO-3's (+5%)", at_most(a, b), f"{a} vs {b} bytes {why}", on_gpu)
+            res.check(f"{name}: peak {kind} at most ZeRO-3's with the same bucket + 2 buckets", a <= c + 2 * bucket_bytes,
+                      f"{a} vs {c} bytes, bucket {bucket_bytes} bytes {why}", on_gpu)
+    large, large_z = max(runs["large_host"]["peak_allocated"]), max(zs["peak_allocated"])
+    res.check("large-model regime: auto takes a third of DeepSpeed's bucket",
+              runs["large_host"]["reduce_bucket_size"] <= max(bucket // 3, 2**18),
+              f"{runs['large_host']['reduce_bucket_size']} of {bucket}")
+    res.check("large-model regime: peak allocated at most ZeRO-3's with the same config (+5%)", at_most(large, large_z),
+              f"{large} vs {large_z} bytes {why}", on_gpu)
     node = runs["node_host"]["stats"]
     res.check("node_host: gradient buffer on the host", (node["grad_buffer_host_bytes"] or 0) > 0
               and not node["grad_buffer_device_bytes"], f"{node['grad_buffer_host_bytes']} host bytes")
@@ -243,11 +284,16 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
                   problem or f"fills per step {runs[name]['fills']}, hits per step {runs[name]['hits']}, "
                              f"skipped per step {runs[name]['skipped']}")
     res.check("host: pool pinned", (host["stats"]["pinned_pool_bytes"] or 0) > 0, why, on_gpu)
-    a1, z1 = auto["peak_allocated"][0], z["peak_allocated"][0]
-    res.check("auto: step-1 peak within 5% of ZeRO-3's", within(a1, z1), f"{a1} vs {z1} bytes {why}", on_gpu)
+    a1, z1, zs1 = auto["peak_allocated"][0], z["peak_allocated"][0], zs["peak_allocated"][0]
+    res.check("auto: step-1 peak at most ZeRO-3's (+5%)", at_most(a1, z1), f"{a1} vs {z1} bytes {why}", on_gpu)
+    res.check("auto: step-1 peak at most ZeRO-3's with the same bucket + 2 buckets", a1 <= zs1 + 2 * bucket_bytes,
+              f"{a1} vs {zs1} bytes {why}", on_gpu)
+    # ZeRO-3 grows too after step 1 (its optimizer states: 71 MB on the H200 run): only the excess is the pool's.
     grown, pool = auto["peak_allocated"][-1] - a1, auto["stats"]["device_pool_bytes"] or 0
-    res.check(f"auto: step-{steps} growth over step 1 at most its device pool (+5% of ZeRO-3)",
-              grown <= pool + MEMORY_TOLERANCE * z1, f"grew {grown}, pool {pool} bytes {why}", on_gpu)
+    zs_grown = zs["peak_allocated"][-1] - zs1
+    res.check(f"auto: step-{steps} growth over step 1 at most ZeRO-3's growth + its device pool (+5%)",
+              grown <= zs_grown + pool + MEMORY_TOLERANCE * zs1,
+              f"grew {grown}, ZeRO-3 grew {zs_grown}, pool {pool} bytes {why}", on_gpu)
     for name in fcdp_variants:  # steady state: steps after the first (which builds the trace)
         for key in ("syncs", "sync_memcpys", "pageable_copies"):
             extra = [r[key] - q[key] for r, q in zip(runs[name]["trace"][1:], z["trace"][1:])]

@@ -32,6 +32,17 @@ def _fcdp_frames(text: str) -> list[str]:
             if "fcdp_deepspeed/" in line and "fcdp_deepspeed/tools/" not in line]
 
 
+def error_text(exc: BaseException) -> str:
+    """What a failed variant reports: every sanitizer error whole, then the raising trace's tail.
+    [Note: both accesses] ``str(CUDASanitizerErrors)`` is only "detected N errors" and the raising trace shows only
+    the *current* access (often DeepSpeed's free of a parameter); the other stream's access, the one that may be
+    FCDP's, is in each error's own text (``UnsynchronizedAccessError``: both stacks and the allocation's)."""
+    parts = [f"{type(exc).__name__}: {exc}"]
+    parts += [str(err) for err in getattr(exc, "errors", None) or []]
+    parts.append(traceback.format_exc()[-4000:])
+    return "\n".join(parts)
+
+
 def sanitizer_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseResult:
     """(d) Each variant trains ``steps`` steps with the sanitizer on (GPU); on the CPU accelerator, without it."""
     import torch
@@ -54,7 +65,7 @@ def sanitizer_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseR
             try:
                 measure_variant(extra, hidden, layers, steps, on_gpu=False)  # no profiler: the sanitizer is slow enough
             except Exception as exc:  # CUDASanitizerErrors, or anything else: reported with its trace
-                errors[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-4000:]}"
+                errors[name] = error_text(exc)
             torch.cuda.synchronize() if on_gpu else None
     why = "" if on_gpu else "CPU accelerator: no CUDA streams to sanitize"
     res.numbers.update(hidden=hidden, layers=layers, steps=steps, errors=errors, param_gather="flat",
