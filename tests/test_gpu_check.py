@@ -238,5 +238,11 @@ def test_committed_h200_runs():
     for case in ("a_grad_flush", "d_sanitizer", "e_host_memory"):
         assert last["cases"][case]["passed"] is True, case
     assert last["cases"]["d_sanitizer"]["numbers"]["errors"] == {}
+    # run 4: the reserved overshoot sits on DeepSpeed's reduce stream (the one of the two DeepSpeed streams that
+    # differs between the variants; FCDP's side streams are named)
+    by_stream = {n: r["reserved_by_stream"] for n, r in _gpu_run(4)["cases"]["b_fake_pg"]["numbers"]["runs"].items()}
+    unnamed = lambda run: sorted(v for k, v in by_stream[run].items() if k.startswith("stream ") and v > 10e6)  # noqa
+    assert unnamed("zero3_same_bucket")[0] < 20e6 and unnamed("host")[0] > 150e6  # 19 MB vs 157 MB
+    assert by_stream["host"]["fcdp:param_h2d"] < 25e6
     # run 1's one sanitizer report (node_host), whose other access the check did not keep then
     assert "CUDASanitizerErrors" in first["cases"]["d_sanitizer"]["numbers"]["errors"]["node_host"]

@@ -116,6 +116,7 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
         out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction,
                              "gather_timeline": holder[1]})
     out["losses"] = [float(v) for v in losses]
+    out["reserved_by_stream"] = reserved_by_stream(on_gpu)
     out["reduce_bucket_size"] = int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
     stats = fcdp_deepspeed.get_stats(engine)
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
@@ -123,6 +124,25 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
                                               "grad_buffer_device_bytes", "grad_flushed", "memory",
                                               "hierarchical_gathers")}
     del engine, model
+    return out
+
+
+def reserved_by_stream(on_gpu: bool) -> dict[str, int]:
+    """The caching allocator's segments (reserved bytes) by the stream they belong to, named where the stream is
+    the current one or one of FCDP's side streams (``device.side_stream``); a block freed on one stream is reused
+    only by allocations on that stream, so memory spread over streams is reserved memory that the others cannot
+    take (the open reserved overshoot of the H200 runs, GPU-check.md). Read after the steps: nothing was handed
+    back since, so it is the reserved peak's layout. Empty on the CPU accelerator."""
+    if not on_gpu:
+        return {}
+    from fcdp_deepspeed.machine import device
+    names = {torch.cuda.current_stream().cuda_stream: "current"}
+    for (name, _where), stream in getattr(device.current(), "__dict__", {}).get("_side", {}).items():
+        names[stream.cuda_stream] = f"fcdp:{name}"
+    out: dict[str, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = names.get(seg.get("stream"), f"stream {seg.get('stream')}")
+        out[key] = out.get(key, 0) + int(seg.get("total_size", 0))
     return out
 
 
