@@ -320,10 +320,16 @@ def test_committed_convergence_sweep_and_the_doc_quote_each_other():
     from pathlib import Path
     from fcdp_deepspeed.tools.converge import converge, report as converge_report
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "converge_diloco_results.json").read_text())
     doc = (root / "docs" / "DILOCO.md").read_text()
-    rows = converge_report.summary_rows(data["records"])
-    assert {r["setting"] for r in rows} >= {"exact", "diloco10_lr1_mom0"}
+    for name, dtype in (("converge_diloco_results.json", "fp32"), ("converge_diloco_bf16_results.json", "bf16")):
+        data = json.loads((root / "docs" / name).read_text())
+        rows = converge_report.summary_rows(data["records"])
+        assert {r["setting"] for r in rows} >= {"exact", "diloco10_lr1_mom0"}
+        assert {r["dtype"] for r in rows} == {dtype}
+        _quoted(data, rows, doc, converge)
+
+
+def _quoted(data: dict, rows: list, doc: str, converge) -> None:
     for rec, row in zip(data["records"], rows):
         assert rec["steps"] == 500 and rec["params"] >= 1_000_000 and rec["bitwise_equal_across_ranks"], rec["key"]
         if converge.diloco_block(rec["setting"]) is not None:
