@@ -191,3 +191,15 @@ def test_the_vectorised_codec_gives_the_per_row_codec_s_bytes_and_bits(bits, rot
     for x in (torch.randn(2, 4 * block, generator=gen), torch.randn(2, 300, generator=gen)[:, 40:]):
         kept = x.clone()  # a contiguous or strided fp32 input is read, never written (the codec works on its own copy)
         assert torch.equal(new.encode_rows(x), torch.stack([old.encode(r) for r in kept])) and torch.equal(x, kept)
+
+
+def test_bf16_codec_is_a_deterministic_cast_at_two_bytes():
+    """DiLoCo's ``compression: bf16`` ([Note: bf16 pseudo-gradients]): 2 bytes per element, decode(encode(x)) is
+    x rounded to bf16 (nearest even), the same bits on every call."""
+    from fcdp_deepspeed.compress.quant import Bf16Codec, codec_for, wire_bytes
+    codec = codec_for("bf16", 128, side="grads")
+    assert isinstance(codec, Bf16Codec) and codec.wire_numel(1000) == 2000 and wire_bytes("bf16", 1000) == 2000
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0)) * 1e3
+    packed, decoded = codec.roundtrip(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2002
+    assert torch.equal(decoded, x.to(torch.bfloat16).float()) and torch.equal(codec.decode(packed, 1001), decoded)

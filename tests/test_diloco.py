@@ -33,13 +33,19 @@ def bf16_int4():
 
 
 @pytest.fixture(scope="module")
+def bf16_wire():
+    """The fp32 job with bf16 pseudo-gradients on the wire ([Note: bf16 pseudo-gradients] in compress/quant.py)."""
+    return run_ranks("diloco:train", 4, steps=STEPS, sync_every=H, compression="bf16")
+
+
+@pytest.fixture(scope="module")
 def fp16_skipping():
     """fp16 with a loss scale that overflows the first steps: each node's scaler skips on its own. Every parameter
     persistent (stays gathered between steps): the sync must refresh the gathered copies too."""
     return run_ranks("diloco:train", 4, steps=2 * H, dtype="fp16", sync_every=H, loss_scale_power=18, persist=True)
 
 
-@pytest.mark.parametrize("run", ["fp32", "bf16_int4", "fp16_skipping"])
+@pytest.mark.parametrize("run", ["fp32", "bf16_int4", "fp16_skipping", "bf16_wire"])
 def test_every_rank_holds_the_same_model_after_each_sync_and_only_then(run, request):
     res = request.getfixturevalue(run)
     steps = len(res[0]["weights"])
@@ -118,6 +124,20 @@ def test_compressed_pseudo_gradients_cross_at_a_fraction_of_the_bytes(fp32, bf16
     assert per_sync(int4) < 0.2 * per_sync(exact)
 
 
+def test_bf16_pseudo_gradients_cross_at_half_the_bytes_and_stay_close(fp32, bf16_wire):
+    """``compression: bf16``: exactly half of the fp32 exchange's bytes per sync; with error feedback the model stays
+    within bf16's rounding of the uncompressed run's (and not bitwise equal to it: the codec ran)."""
+    exact, half = fp32[0]["stats"], bf16_wire[0]["stats"]
+    per_sync = lambda s: s["diloco_pseudo_grad_bytes"] / s["diloco_syncs"]  # noqa: E731
+    assert half["diloco_compression"] == "bf16" and half["diloco_syncs"] == exact["diloco_syncs"] == STEPS // H
+    assert per_sync(half) * 2 == per_sync(exact)
+    last = SYNC_STEPS[-1]
+    a, b = fp32[0]["weights"][last], bf16_wire[0]["weights"][last]
+    assert not _equal(a, b)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=2e-2, atol=1e-3), k
+
+
 def _disjoint(seen: list[list[int]]) -> bool:
     flat = [i for s in seen for i in s]
     return len(flat) == len(set(flat))
@@ -184,6 +204,7 @@ def _block(**diloco) -> dict:
     ({"outer_lr": -0.5}, "fcdp.diloco.outer_lr"),
     ({"outer_momentum": 1.0}, "fcdp.diloco.outer_momentum"),
     ({"compression": "int2"}, "fcdp.diloco.compression"),
+    ({"compression": "fp16"}, "\"bf16\""),  # the fix lists the wire formats, bf16 among them
     ({"sync_evry": 5}, "fcdp.diloco.sync_evry"),
 ])
 def test_bad_values_are_refused_by_key_with_the_fix(diloco, key):

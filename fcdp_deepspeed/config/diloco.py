@@ -31,8 +31,9 @@ class DiLoCoConfig(StrictConfigModel):
     """The outer momentum (0.9 in DiLoCo); 0 is plain averaging of the replicas scaled by ``outer_lr``."""
     nesterov: bool = True
     """Nesterov momentum for the outer step (DiLoCo's choice); ``false``: heavy-ball momentum."""
-    compression: Literal["off", "int8", "int4"] = "off"
-    """Codec of the pseudo-gradient exchange (``compress/quant.py``) with error feedback across syncs."""
+    compression: Literal["off", "bf16", "int8", "int4"] = "off"
+    """Codec of the pseudo-gradient exchange (``compress/quant.py``) with error feedback across syncs; ``off``
+    sends fp32, ``bf16`` half of that ([Note: bf16 pseudo-gradients])."""
     fragments: int = Field(1, ge=1)
     """Streaming DiLoCo: the model's outer state in this many fragments, one synced every ``sync_every /
     fragments`` steps (each fragment every ``sync_every``); must divide ``sync_every``."""
@@ -73,7 +74,7 @@ _FIXES = {
     "outer_lr": "a positive number such as 0.7",
     "outer_momentum": "a number in [0, 1) such as 0.9",
     "nesterov": "true or false",
-    "compression": "\"off\", \"int8\" or \"int4\"",
+    "compression": "\"off\", \"bf16\", \"int8\" or \"int4\"",
     "fragments": "a whole number >= 1 that divides sync_every (1: the whole model at once)",
     "overlap_steps": "a whole number of steps in [0, sync_every / fragments] (0: the sync blocks)",
     "enabled": "true or false",

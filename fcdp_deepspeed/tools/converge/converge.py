@@ -43,12 +43,12 @@ SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", 
 #: optional suffixes (:func:`diloco_block`), so probes name their own outer settings (``diloco10_lr1_mom0``).
 DILOCO_SETTINGS = ("diloco10", "diloco10_int4", "diloco50", "diloco50_int4")
 SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
-_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+))*)$")
+_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|bf16|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+))*)$")
 
 
 def diloco_block(setting: str) -> Optional[dict]:
     """The ``fcdp.diloco`` block of a setting name, ``None`` for the exact-DP settings. ``diloco{H}`` then any of
-    ``_int4``/``_int8`` (pseudo-gradient codec), ``_lr{x}`` (outer_lr), ``_mom{x}`` (outer_momentum), ``_hb``
+    ``_int4``/``_int8``/``_bf16`` (pseudo-gradient codec), ``_lr{x}`` (outer_lr), ``_mom{x}`` (outer_momentum), ``_hb``
     (heavy-ball instead of Nesterov), ``_f{F}`` (streaming fragments), ``_ov{n}`` (overlap_steps); the rest are
     the block's defaults. ``_ilr{x}`` scales the inner (the job's own) learning rate: :func:`inner_lr_scale`."""
     m = _DILOCO_NAME.match(setting)
@@ -56,7 +56,7 @@ def diloco_block(setting: str) -> Optional[dict]:
         return None
     block: dict = {"sync_every": int(m.group(1))}
     for tok in filter(None, m.group(2).split("_")):
-        if tok in ("int4", "int8"):
+        if tok in ("int4", "int8", "bf16"):
             block["compression"] = tok
         elif tok == "hb":
             block["nesterov"] = False
