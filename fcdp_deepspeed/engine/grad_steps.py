@@ -48,7 +48,8 @@ MIN_AUTO_BUCKET = 2**18
 #: bucket. Where ``auto`` would keep DeepSpeed's size (a model of 8 x ``reduce_bucket_size`` trainable elements or
 #: more: 4e9 at DeepSpeed's default, a 7B full fine-tune) that was ~2.3 GB more device memory than ZeRO-3, a smaller
 #: maximum batch. So ``auto`` takes at most a third of DeepSpeed's size: the 2/3 of the buffer it frees pays for the
-#: stages in flight (twice the measured 1.16 buckets at 1/3). An explicit ``grad_bucket_size`` is taken as given.
+#: stages in flight (1.16 buckets of a third is 0.39 of DeepSpeed's; allocated memory, measured; the allocator's
+#: reserved memory is still above ZeRO-3's, GPU-check.md). An explicit ``grad_bucket_size`` is taken as given.
 AUTO_SHARE_OF_DEEPSPEED = 3
 
 
