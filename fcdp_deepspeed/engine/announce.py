@@ -75,7 +75,7 @@ def _streaming(config: Any) -> str:
 
 def diloco_line(topology: Any, config: Any, outer_host_bytes: int) -> str:
     """The line for a DiLoCo engine (``fcdp.diloco``): lossy, its H, its codec, where the outer state lives."""
-    codec = "uncompressed" if config.compression == "off" else f"{config.compression} with error feedback"
+    codec = "uncompressed (fp32)" if config.compression == "off" else f"{config.compression} with error feedback"
     return (f"fcdp: ON for this engine: LOSSY DiLoCo across {topology.num_nodes} nodes x {topology.ranks_per_node} "
             f"ranks per node (from {topology.source}): exact ZeRO-3 inside each node, an outer sync every "
             f"H = {config.sync_every} optimizer steps (outer_lr {config.outer_lr}, outer_momentum {config.outer_momentum}, "
