@@ -155,11 +155,11 @@ def test_every_rank_draws_its_own_samples_and_the_batch_stays_global(fp32):
     assert not _disjoint(same)
 
 
-def _checkpoint_run(ckpt_dir: str, env: dict | None = None) -> list:
+def _checkpoint_run(ckpt_dir: str, env: dict | None = None, compression: str = "int8") -> list:
     from conftest import TESTS_DIR, worker_target
     from fcdp_deepspeed.tools.harness.launch import run_local
     return run_local(worker_target("diloco:checkpoint"), 4, dict(ckpt_dir=ckpt_dir, save_at=4, steps=8, sync_every=H,
-                                                                 compression="int8"),
+                                                                 compression=compression),
                      timeout=240, env=env, pythonpath=[TESTS_DIR])
 
 
@@ -175,6 +175,13 @@ def test_checkpoint_mid_interval_resumes_exactly(tmp_path):
     # the tag directory itself: node 0's files alone, a plain ZeRO-3 checkpoint of 2 partitions
     assert sum(f.endswith("optim_states.pt") for f in files) == 2
     assert sum(f.endswith("model_states.pt") for f in files) == 2
+
+
+def test_checkpoint_mid_interval_resumes_exactly_with_bf16_pseudo_gradients(tmp_path):
+    """``compression: bf16`` keeps a residual as int8 does: saved and restored bit for bit mid-interval."""
+    for r in _checkpoint_run(str(tmp_path), compression="bf16"):
+        assert r["loaded_steps"] == 4 and r["before"] + r["after"] == r["straight"]
+        assert _equal(r["resumed_weights"], r["straight_weights"])
 
 
 def test_checkpoint_with_deepspeeds_file_ownership_does_not_resume_exactly(tmp_path):
