@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -218,42 +218,42 @@ class BlockCodec(Codec):
 
 
 @dataclass(frozen=True)
-class IdentityCodec(Codec):
-    """Test-only: sends fp32 values unchanged (the scale/permutation guard: compressed paths must then
-    equal the exact ones). Never selectable from the config."""
+class CastCodec(Codec):
+    """A plain cast to :attr:`wire_dtype` on the wire (no scales, no blocks): decode is the cast back to fp32."""
+
+    wire_dtype: ClassVar[torch.dtype] = torch.float32
 
     def wire_numel(self, numel: int) -> int:
-        return numel * 4
+        return numel * self.wire_dtype.itemsize
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1).to(torch.float32).contiguous().view(torch.uint8)
+        return x.reshape(-1).to(self.wire_dtype).contiguous().view(torch.uint8)
 
     def decode(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        return packed.view(torch.float32).narrow(0, 0, numel).clone()
+        return packed.view(self.wire_dtype).narrow(0, 0, numel).to(torch.float32, copy=True)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.float32).contiguous().view(torch.uint8)
+        return x.to(self.wire_dtype).contiguous().view(torch.uint8)
 
     def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        return packed.contiguous().view(torch.float32).narrow(1, 0, numel).clone()
+        return packed.contiguous().view(self.wire_dtype).narrow(1, 0, numel).to(torch.float32, copy=True)
 
 
 @dataclass(frozen=True)
-class Bf16Codec(Codec):
+class IdentityCodec(CastCodec):
+    """Test-only: sends fp32 values unchanged (the scale/permutation guard: compressed paths must then
+    equal the exact ones). Never selectable from the config."""
+
+
+@dataclass(frozen=True)
+class Bf16Codec(CastCodec):
     """bf16 on the wire (``fcdp.diloco.compression: bf16`` only): 2 bytes per element, rounded to nearest even.
     [Note: bf16 pseudo-gradients] DiLoCo's outer state is fp32, so an uncompressed pseudo-gradient crosses at
     4 bytes per element: twice the bytes per element of a bf16 job's exact bound (0.199x of it at H = 10, measured).
     bf16 halves that with fp32's range; with the exchange's error feedback what rounding drops is sent at the next
     sync. The cast is elementwise and deterministic, so every peer decodes the same values."""
 
-    def wire_numel(self, numel: int) -> int:
-        return numel * 2
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1).to(torch.bfloat16).contiguous().view(torch.uint8)
-
-    def decode(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        return packed.view(torch.bfloat16).narrow(0, 0, numel).to(torch.float32)
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
 
 #: Which side's ``int4`` rotates its blocks ([Note: the rotation]): gradients, whose blocks are heavy-tailed.
