@@ -276,6 +276,11 @@ def side_stream(name: str) -> Any:
     return _DOOR.side_stream(name)
 
 
+def side_streams() -> list[tuple[str, Any]]:
+    """``(name, stream)`` of every side stream made so far (a diagnostic: the GPU check's reserved memory by stream)."""
+    return [(name, s) for (name, _where), s in _DOOR.__dict__.get("_side", {}).items()]
+
+
 def record_stream(t: torch.Tensor) -> None:
     _DOOR.record_stream(t)
 
