@@ -37,6 +37,11 @@ class DiLoCoConfig(StrictConfigModel):
     fragments: int = Field(1, ge=1)
     """Streaming DiLoCo: the model's outer state in this many fragments, one synced every ``sync_every /
     fragments`` steps (each fragment every ``sync_every``); must divide ``sync_every``."""
+    warmup_steps: int = Field(0, ge=0)
+    """Exact data-parallel optimizer steps before the first inner step: the nodes' reduced gradients averaged
+    every step, so every node takes bitwise the same step; the outer parameters start from the model at the end
+    of the warm-up (DiLoCo starts from a model pretrained with data parallelism). Costs about the exact bound's
+    bytes per warm-up step ([Note: the warm-up] in ``diloco/warmup.py``)."""
     overlap_steps: Optional[int] = Field(None, ge=0)
     """Inner steps a fragment's exchange runs behind (issued after one step, completed after this many more);
     0: the sync blocks. Default: 1 with ``fragments`` > 1, else 0. At most ``sync_every / fragments``."""
@@ -77,6 +82,7 @@ _FIXES = {
     "compression": "\"off\", \"bf16\", \"int8\" or \"int4\"",
     "fragments": "a whole number >= 1 that divides sync_every (1: the whole model at once)",
     "overlap_steps": "a whole number of steps in [0, sync_every / fragments] (0: the sync blocks)",
+    "warmup_steps": "a whole number of exact data-parallel steps >= 0 (0: DiLoCo from the first step)",
     "enabled": "true or false",
 }
 
@@ -143,6 +149,10 @@ def ds_problems(fcdp: Any, zero: Any, ds_config: Mapping[str, Any]) -> list[str]
     if offload_device(zero, "offload_optimizer") == "nvme":
         out.append("zero_optimization.offload_optimizer.device = nvme with fcdp.diloco (the fp32 master weights the "
                    "outer step rewrites live on disk). Fix: use \"cpu\" or \"none\"")
+    if fcdp.diloco is not None and fcdp.diloco.warmup_steps and offload_device(zero, "offload_optimizer") != "none":
+        out.append(f"{KEY}.warmup_steps = {fcdp.diloco.warmup_steps} with zero_optimization.offload_optimizer: the "
+                   "offloaded step takes each node's gradient norm during the backward, before the warm-up averages "
+                   "the gradients over the nodes. Fix: set warmup_steps to 0, or remove offload_optimizer")
     if zero.zero_quantized_gradients:
         out.append("zero_optimization.zero_quantized_gradients (qgZ) reduces over a world-wide all-to-all, which "
                    "DiLoCo keeps inside the node. Fix: set it to false")

@@ -17,8 +17,8 @@ import torch
 from fcdp_deepspeed.machine import device
 
 
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    out = device.pin_empty(t.numel(), torch.float32)
+def _copy_master(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (pinned host fp32) := the master ``t``; from the accelerator asynchronously (the caller waits)."""
     if t.device.type == "cpu":
         out.copy_(t.detach().view(-1))
     else:
@@ -37,12 +37,20 @@ class OuterState:
     @classmethod
     def from_masters(cls, masters: Sequence[torch.Tensor], with_residual: bool) -> "OuterState":
         """Outer parameters equal to the fp32 masters, zero momentum (and residuals)."""
-        params = [_pinned_copy(m) for m in masters]
+        params = [_copy_master(m, device.pin_empty(m.numel(), torch.float32)) for m in masters]
         if any(m.device.type != "cpu" for m in masters):
             device.host_wait(device.record_event())  # the copies land before anyone reads them on the host
         momentum = [device.pin_empty(p.numel(), torch.float32).zero_() for p in params]
         residual = [device.pin_empty(p.numel(), torch.float32).zero_() for p in params] if with_residual else None
         return cls(params, momentum, residual)
+
+    def restart_from(self, masters: Sequence[torch.Tensor]) -> None:
+        """Outer parameters := the fp32 masters in place (the end of the warm-up; momentum and residuals are still
+        zero: nothing was synced before)."""
+        for dst, m in zip(self.params, masters):
+            _copy_master(m, dst)
+        if any(m.device.type != "cpu" for m in masters):
+            device.host_wait(device.record_event())  # the copies land before anyone reads them on the host
 
     @property
     def numels(self) -> list[int]:

@@ -36,7 +36,8 @@ class DiLoCoState:
     def _layout(self) -> dict:
         cfg = self.sync.config
         return {**self.sync.layout, "numels": self.sync.outer.numels, "compression": cfg.compression,
-                "fragments": cfg.fragments, "overlap_steps": cfg.overlap, "sync_every": cfg.sync_every}
+                "fragments": cfg.fragments, "overlap_steps": cfg.overlap, "sync_every": cfg.sync_every,
+                **({"warmup_steps": cfg.warmup_steps} if cfg.warmup_steps else {})}
 
     def state(self) -> dict:
         tensors = {k: None if v is None else [t.clone() for t in v] for k, v in self.sync.outer.tensors().items()}

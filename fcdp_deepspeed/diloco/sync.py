@@ -50,7 +50,8 @@ from fcdp_deepspeed.machine import device
 
 #: Test-only: ``FCDP_BREAK_DILOCO`` names broken variants the tests must catch: ``read_early`` (a completion reads
 #: the peers' messages without waiting for the exchange), ``skip_reassign`` (a completion leaves the 16-bit
-#: partitions as they were), ``node_files`` (``diloco/files.py``).
+#: partitions as they were), ``node_files`` (``diloco/files.py``), ``skip_warmup`` (a warm-up step leaves each node's
+#: gradients unaveraged: ``engine/diloco_steps.py``).
 BREAK_ENV = "FCDP_BREAK_DILOCO"
 
 
@@ -102,16 +103,28 @@ class DiLoCoSync:
         self.last: Optional[tuple[int, int, int]] = None
         self.drift_norms: list[float] = []
         self.step_norms: list[float] = []
+        #: Bytes this rank sent averaging gradients in the warm-up (since the engine was built).
+        self.warmup_bytes = 0
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the next optimizer step is a warm-up step ([Note: the warm-up] in ``diloco/warmup.py``)."""
+        return self.steps < self.config.warmup_steps
 
     def after_step(self, optimizer: Any) -> bool:
         """Count one optimizer step; complete the fragment due now, issue the next one ([Note: the schedule] in
-        ``diloco/fragments.py``). Returns whether a fragment sync completed."""
+        ``diloco/fragments.py``, counted from the end of the warm-up). Returns whether a fragment sync completed."""
         self.steps += 1
+        warmup = self.config.warmup_steps
+        if self.steps <= warmup:
+            if self.steps == warmup:  # every node holds the same masters: the outer parameters start there
+                self.outer.restart_from(optimizer.fp32_partitioned_groups_flat)
+            return False
         done = False
         if self.pending is not None and self.pending.due <= self.steps:
             self.complete(optimizer)
             done = True
-        fragment = fragment_due(self.steps, self.config.interval, self.config.fragments)
+        fragment = fragment_due(self.steps - warmup, self.config.interval, self.config.fragments)
         if fragment is not None:
             self.pending = self.issue(optimizer, fragment)
             if self.config.overlap == 0:
@@ -189,6 +202,8 @@ class DiLoCoSync:
             "diloco_enabled": True, "diloco_sync_every": self.config.sync_every, "diloco_steps": self.steps,
             "diloco_syncs": self.syncs, "diloco_compression": self.config.compression,
             "diloco_fragments": self.config.fragments, "diloco_overlap_steps": self.config.overlap,
+            "diloco_warmup_steps": self.config.warmup_steps, "diloco_in_warmup": self.in_warmup,
+            "diloco_warmup_grad_bytes": self.warmup_bytes,
             "diloco_in_flight": self.pending is not None,
             "diloco_pseudo_grad_bytes": self.exchange.sent_bytes,
             "diloco_outer_step_norm": last(self.step_norms), "diloco_drift_norm": last(self.drift_norms),

@@ -73,13 +73,19 @@ def _streaming(config: Any) -> str:
     return f"; streaming: {config.fragments} fragments, one every {config.interval} steps{overlap}"
 
 
+def _warmup(config: Any) -> str:
+    if not config.warmup_steps:
+        return ""
+    return f", after {config.warmup_steps} exact data-parallel warm-up steps (gradients averaged across nodes)"
+
+
 def diloco_line(topology: Any, config: Any, outer_host_bytes: int) -> str:
     """The line for a DiLoCo engine (``fcdp.diloco``): lossy, its H, its codec, where the outer state lives."""
     codec = "uncompressed (fp32)" if config.compression == "off" else f"{config.compression} with error feedback"
     return (f"fcdp: ON for this engine: LOSSY DiLoCo across {topology.num_nodes} nodes x {topology.ranks_per_node} "
             f"ranks per node (from {topology.source}): exact ZeRO-3 inside each node, an outer sync every "
             f"H = {config.sync_every} optimizer steps (outer_lr {config.outer_lr}, outer_momentum {config.outer_momentum}, "
-            f"nesterov {str(config.nesterov).lower()}, pseudo-gradients {codec}{_streaming(config)}); no FCDP cache (nothing is gathered "
+            f"nesterov {str(config.nesterov).lower()}, pseudo-gradients {codec}{_streaming(config)}){_warmup(config)}; no FCDP cache (nothing is gathered "
             f"across nodes); outer state {fmt_bytes(outer_host_bytes)} of host memory per rank. Statistics: "
             f"fcdp_deepspeed.get_stats(engine) (diloco_*).")
 

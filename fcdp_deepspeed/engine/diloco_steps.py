@@ -18,7 +18,8 @@ from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
 from fcdp_deepspeed.diloco.layout import check_same_start, repartition_over_node, valid_ranges
 from fcdp_deepspeed.diloco.outer import OuterState
 from fcdp_deepspeed.diloco.state import DiLoCoState
-from fcdp_deepspeed.diloco.sync import DiLoCoSync
+from fcdp_deepspeed.diloco.sync import DiLoCoSync, broken
+from fcdp_deepspeed.diloco.warmup import average_over_peers_
 from fcdp_deepspeed.engine import announce
 from fcdp_deepspeed.machine.topology import Topology, TopologyError, build_topology
 from fcdp_deepspeed.reporting.stats import LEDGER
@@ -87,11 +88,21 @@ class DiLoCoSteps:
         announce.announce_diloco(topo, cfg, self.fcdp_diloco.outer.nbytes)
 
     def step(self, closure=None):
+        sync = self.fcdp_diloco
+        if sync is not None and sync.in_warmup and not broken("skip_warmup"):  # [Note: the warm-up] in diloco/warmup.py
+            with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
+                sync.warmup_bytes += average_over_peers_(self._reduced_grads(), self._peer_group(),
+                                                         self.fcdp_diloco_topology.num_nodes)
         out = super().step(closure)
         if self.fcdp_diloco is not None:
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
                 self.fcdp_diloco.after_step(self)
         return out
+
+    def _reduced_grads(self) -> list:
+        """This rank's reduced gradient partitions as stage 3's step reads them (the warm-up refuses
+        ``offload_optimizer``, whose norms are taken in the backward: ``config/diloco.py``)."""
+        return [self.grad_partitions_flat_buffer]
 
     def checkpoint_event_epilogue(self) -> None:
         super().checkpoint_event_epilogue()

@@ -200,3 +200,16 @@ def interop(ckpt_dir: str) -> dict:
     losses = [_step(engine, s, "fp32") for s in range(3)]
     out["after_universal"] = {"losses": losses, "syncs": sync.syncs, "weights": toy.gather_weights(engine)}
     return out
+
+
+def warmup(steps: int = 8, warmup_steps: int = 2, sync_every: int = 3) -> dict:
+    """DiLoCo after ``warmup_steps`` exact steps, and plain ZeRO-3 over the world on the same per-rank data for the
+    warm-up's steps (the exact job the warm-up must follow)."""
+    res = train(steps=steps, sync_every=sync_every, warmup_steps=warmup_steps)
+    engine = toy.build_engine(toy.ds_config(None, regime="large"))
+    exact = []
+    for step in range(warmup_steps):
+        _step(engine, step, "fp32")
+        exact.append(toy.gather_weights(engine))
+    res["exact_weights"] = exact
+    return res

@@ -43,13 +43,13 @@ SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", 
 #: optional suffixes (:func:`diloco_block`), so probes name their own outer settings (``diloco10_lr1_mom0``).
 DILOCO_SETTINGS = ("diloco10", "diloco10_int4", "diloco50", "diloco50_int4")
 SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
-_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|bf16|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+))*)$")
+_DILOCO_NAME = re.compile(r"^diloco(\d+)((?:_(?:int4|int8|bf16|lr[\d.]+|mom[\d.]+|hb|f\d+|ov\d+|ilr[\d.]+|wu\d+))*)$")
 
 
 def diloco_block(setting: str) -> Optional[dict]:
     """The ``fcdp.diloco`` block of a setting name, ``None`` for the exact-DP settings. ``diloco{H}`` then any of
     ``_int4``/``_int8``/``_bf16`` (pseudo-gradient codec), ``_lr{x}`` (outer_lr), ``_mom{x}`` (outer_momentum), ``_hb``
-    (heavy-ball instead of Nesterov), ``_f{F}`` (streaming fragments), ``_ov{n}`` (overlap_steps); the rest are
+    (heavy-ball instead of Nesterov), ``_f{F}`` (streaming fragments), ``_ov{n}`` (overlap_steps), ``_wu{W}`` (warmup_steps); the rest are
     the block's defaults. ``_ilr{x}`` scales the inner (the job's own) learning rate: :func:`inner_lr_scale`."""
     m = _DILOCO_NAME.match(setting)
     if m is None:
@@ -62,6 +62,8 @@ def diloco_block(setting: str) -> Optional[dict]:
             block["nesterov"] = False
         elif tok.startswith("ilr"):
             continue  # not a key of the block: inner_lr_scale
+        elif tok.startswith("wu"):
+            block["warmup_steps"] = int(tok[2:])
         elif tok[0] == "f" or tok.startswith("ov"):
             block["fragments" if tok[0] == "f" else "overlap_steps"] = int(tok.lstrip("fov"))
         else:

@@ -92,6 +92,16 @@ def outer_sync(replicas: list[Replica], outer: list, momentum: list, block: dict
             ps[i].copy_(o)
 
 
+@torch.no_grad()
+def average_grads_(replicas: list[Replica]) -> None:
+    """Every replica's gradients := the replicas' mean (the exact warm-up: replicas stay equal)."""
+    grads = [[p.grad for p in r.model.parameters()] for r in replicas]
+    for i in range(len(grads[0])):
+        mean = sum(g[i] for g in grads) / len(grads)
+        for g in grads:
+            g[i].copy_(mean)
+
+
 def train(s: converge.ConvergeSpec, setting: str, final_eval: bool = True) -> dict:
     """``train_losses`` (the mean over ranks per step, as converge records them) and ``final_heldout_loss``."""
     block: Optional[dict] = converge.diloco_block(setting)
@@ -106,6 +116,7 @@ def train(s: converge.ConvergeSpec, setting: str, final_eval: bool = True) -> di
     outer = [p.detach().clone() for p in base.parameters()]
     momentum = [torch.zeros_like(p) for p in outer]
     losses = []
+    warmup = block.get("warmup_steps", 0) if block is not None else 0
     for step in range(s.steps):
         step_losses = []
         for rep in replicas:
@@ -117,11 +128,21 @@ def train(s: converge.ConvergeSpec, setting: str, final_eval: bool = True) -> di
                     loss = tinylm.loss_fn(rep.model(x), y)
                     (loss / (len(rep.ranks) * s.grad_accum)).backward()  # the replica's mean gradient
                     step_losses.append(loss.item())
-            clip_(list(rep.model.parameters()), s.grad_clip)
-            rep.opt.step()
-            rep.sched.step()
+            if step >= warmup:
+                clip_(list(rep.model.parameters()), s.grad_clip)
+                rep.opt.step()
+                rep.sched.step()
+        if step < warmup:  # exact data parallelism across the nodes: every replica steps on the mean gradient
+            average_grads_(replicas)
+            for rep in replicas:
+                clip_(list(rep.model.parameters()), s.grad_clip)
+                rep.opt.step()
+                rep.sched.step()
+            if step + 1 == warmup:
+                for o, p in zip(outer, replicas[0].model.parameters()):
+                    o.copy_(p.detach())
         losses.append(sum(step_losses) / len(step_losses))
-        if block is not None and (step + 1) % block["sync_every"] == 0:
+        if block is not None and step >= warmup and (step + 1 - warmup) % block["sync_every"] == 0:
             outer_sync(replicas, outer, momentum, block)
     out = {"setting": setting, "steps": s.steps, "train_losses": losses}
     if final_eval:

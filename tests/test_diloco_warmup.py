@@ -1,0 +1,94 @@
+"""DiLoCo's warm-up (``fcdp.diloco.warmup_steps``, [Note: the warm-up] in diloco/warmup.py) on 2 emulated nodes x 2
+ranks through ``deepspeed.initialize``: during the warm-up every rank holds bitwise the same model, and that model
+is plain ZeRO-3's over the world up to the gradient's summation order; afterwards the nodes train on their own and
+sync every ``sync_every`` steps counted from the warm-up's end, the outer parameters starting from the warm model;
+a checkpoint saved inside the warm-up resumes bit for bit; the broken variant (gradients not averaged) fails."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TESTS_DIR, run_ranks, worker_target
+from fcdp_deepspeed.config import FCDPConfigError, check_ds_config_compatible, parse_fcdp_config
+
+H, WARMUP, STEPS = 3, 2, 8
+SYNCED = [s for s in range(STEPS) if s >= WARMUP and (s + 1 - WARMUP) % H == 0]  # 0-based steps that end in a sync
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _run(env: dict | None = None) -> list:
+    from fcdp_deepspeed.tools.harness.launch import run_local
+    return run_local(worker_target("diloco:warmup"), 4, dict(steps=STEPS, warmup_steps=WARMUP, sync_every=H),
+                     timeout=240, env=env, pythonpath=[TESTS_DIR])
+
+
+@pytest.fixture(scope="module")
+def warm():
+    return _run()
+
+
+def _same_everywhere(res: list, step: int) -> bool:
+    w = [r["weights"][step] for r in res]
+    return all(_equal(w[0], x) for x in w[1:])
+
+
+def test_every_rank_holds_the_exact_model_during_the_warmup(warm):
+    assert SYNCED == [4, 7]
+    for s in range(WARMUP):
+        assert _same_everywhere(warm, s), f"warm-up step {s}: the nodes differ"
+        exact, got = warm[0]["exact_weights"][s], warm[0]["weights"][s]
+        assert exact.keys() == got.keys()
+        for k in exact:  # ZeRO-3 over the world; the warm-up sums node first, then nodes
+            assert torch.allclose(got[k], exact[k], rtol=1e-5, atol=1e-7), k
+    for s in range(WARMUP, STEPS):
+        assert _same_everywhere(warm, s) == (s in SYNCED), f"step {s}"
+
+
+def test_the_schedule_counts_from_the_warmups_end_and_the_outer_starts_there(warm):
+    for r in warm:
+        every = r["every_step"]
+        assert [i for i, rec in enumerate(every) if rec["done"]] == SYNCED
+        first = r["records"][0]
+        warm_masters = every[WARMUP - 1]["master_after"]
+        assert all(torch.equal(o, m) for o, m in zip(first["outer"], warm_masters))  # outer := the warm model
+        assert all(not m.any() for m in first["momentum"])  # nothing synced before: zero momentum
+        s = r["stats"]
+        shard = sum(t.numel() for t in first["outer"]) * 4
+        assert s["diloco_warmup_steps"] == WARMUP and not s["diloco_in_warmup"] and s["diloco_syncs"] == len(SYNCED)
+        assert s["diloco_warmup_grad_bytes"] == WARMUP * shard  # each step: this rank's fp32 gradient partition
+        assert s["inter_node_diloco_bytes"] == s["diloco_warmup_grad_bytes"] + s["diloco_pseudo_grad_bytes"]
+    assert "after 2 exact data-parallel warm-up steps" in warm[0]["on_lines"][0]  # rank 0's line
+
+
+def test_the_broken_variant_without_the_average_fails():
+    res = _run(env={"FCDP_BREAK_DILOCO": "skip_warmup"})
+    assert not _same_everywhere(res, 0)
+
+
+def test_checkpoint_inside_the_warmup_resumes_exactly(tmp_path):
+    from fcdp_deepspeed.tools.harness.launch import run_local
+    res = run_local(worker_target("diloco:checkpoint"), 4, dict(ckpt_dir=str(tmp_path), save_at=1, steps=7,
+                                                                 sync_every=H, warmup_steps=WARMUP),
+                    timeout=240, pythonpath=[TESTS_DIR])
+    for r in res:
+        assert r["loaded_steps"] == 1
+        assert r["before"] + r["after"] == r["straight"]
+        assert _equal(r["resumed_weights"], r["straight_weights"])
+
+
+def test_bad_warmup_is_refused_by_key_with_the_fix():
+    block = {"zero_optimization": {"stage": 3}, "fcdp": {"enabled": True, "diloco": {"warmup_steps": -1}}}
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config(block)
+    assert "fcdp.diloco.warmup_steps" in str(err.value) and "Fix:" in str(err.value)
+    assert parse_fcdp_config({"fcdp": {"enabled": True, "diloco": {}}}).diloco.warmup_steps == 0
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+               "fcdp": {"enabled": True, "diloco": {"warmup_steps": 5}}}
+    with pytest.raises(FCDPConfigError) as err:
+        check_ds_config_compatible(offload)
+    assert "fcdp.diloco.warmup_steps" in str(err.value) and "offload_optimizer" in str(err.value)
+    offload["fcdp"]["diloco"]["warmup_steps"] = 0
+    check_ds_config_compatible(offload)  # no warm-up: offload_optimizer is fine
