@@ -144,6 +144,22 @@ def test_diloco_trains_as_its_plain_pytorch_reference(tmp_path, monkeypatch):
     (broken,) = converge.run_converge(spec, tmp_path / "broken", netns=False, log=lambda *_: None)
     assert far(broken) > 1e-3
 
+
+def test_diloco_warmup_trains_as_its_plain_pytorch_reference(tmp_path):
+    """Live: two exact warm-up steps (``fcdp.diloco.warmup_steps``: the nodes' gradients averaged, [Note: the
+    warm-up]), then DiLoCo with H = 2 counted from there, follows the reference's warm-up (one mean gradient for
+    every replica) and its syncs: the warm-up's summation order (node, then nodes) is the only difference."""
+    spec = converge.ConvergeSpec(settings=["diloco2_wu2"], dtypes=["fp32"], steps=6, eval_every=3, eval_windows=8,
+                                 context=32, width=32, layers=1, heads=2, warmup_steps=1, lr=1e-2, timeout_s=240)
+    ref = converge_reference.train(spec, "diloco2_wu2")
+    (rec,) = converge.run_converge(spec, tmp_path, netns=False, log=lambda *_: None)
+    assert rec["bitwise_equal_across_ranks"] and rec["fcdp_stats"]["diloco_syncs"] == 2
+    assert rec["fcdp_stats"]["diloco_warmup_grad_bytes"] > 0
+    far = max(abs(a - b) for a, b in zip(rec["train_losses"], ref["train_losses"], strict=True))
+    assert far < 1e-5 and abs(rec["final_heldout_loss"] - ref["final_heldout_loss"]) < 1e-5, (rec, ref)
+    plain = converge_reference.train(spec, "diloco2")  # without the warm-up the run differs
+    assert max(abs(a - b) for a, b in zip(plain["train_losses"], ref["train_losses"])) > 1e-3
+
 def test_committed_convergence_run_meets_its_claims():
     """docs/converge_results.json (the lead's quiet-machine sweep, once committed): >= 500 steps of a >= 1M-parameter
     model on 2 x 2 with kernel-counted bytes, trained with the codecs this code builds, every compressed setting
