@@ -92,3 +92,15 @@ def test_bad_warmup_is_refused_by_key_with_the_fix():
     assert "fcdp.diloco.warmup_steps" in str(err.value) and "offload_optimizer" in str(err.value)
     offload["fcdp"]["diloco"]["warmup_steps"] = 0
     check_ds_config_compatible(offload)  # no warm-up: offload_optimizer is fine
+
+
+def test_fcdp_plan_prints_the_warmups_bytes(tmp_path, capsys):
+    """Each warm-up step: every rank's bf16 gradient partition (7e9 / 8 elements) to its 3 peers, on 4 x 8."""
+    import json
+    from fcdp_deepspeed.tools.plan import planner
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                               "fcdp": {"enabled": True, "diloco": {"sync_every": 100, "warmup_steps": 500}}}))
+    assert planner.main(["--params", "7B", "--nodes", "4", "--ranks-per-node", "8", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f"first 500 exact warm-up steps at {4 * 8 * 3 * 2 * 7e9 / 8 / 2**30:.4f} GiB per step" in out

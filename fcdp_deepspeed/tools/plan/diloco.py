@@ -4,7 +4,8 @@ Memory per rank, ZeRO-3 over the node's L ranks (not the world's W): 16-bit para
 (``dtype_bytes`` each), fp32 master weights and Adam's two moments (12 B) per trainable parameter, all / L; host
 memory: the outer shard and momentum (8 B per trainable parameter / L), plus the residual (4 B) with compression.
 Inter-node bytes per optimizer step: each rank's pseudo-gradient message reaches its N - 1 peers (an all-gather),
-once every ``sync_every`` steps.
+once every ``sync_every`` steps; during ``warmup_steps`` each rank's gradient partition (the model's dtype, as
+stage 3 accumulates it unless ``data_types.grad_accum_dtype`` says otherwise) reaches its N - 1 peers every step.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def diloco_plan(spec: Any, block: Mapping[str, Any]) -> dict:
     device = lambda ranks: (2 * spec.dtype_bytes * p + 12 * t) / ranks  # noqa: E731 - params+grads, master+Adam
     message = wire_bytes(codec, int(t / L), spec.compression_block)
     per_sync = n * L * (n - 1) * message  # summed over all node uplinks
-    return {"sync_every": h, "compression": codec,
+    warmup = int(block.get("warmup_steps", 0))
+    return {"sync_every": h, "compression": codec, "warmup_steps": warmup,
+            "inter_node_bytes_per_warmup_step": n * L * (n - 1) * spec.dtype_bytes * t / L,
             "device_bytes_per_rank": device(L), "device_bytes_per_rank_exact_zero3": device(n * L),
             "outer_host_bytes_per_rank": (12 if codec != "off" else 8) * t / L,
             "inter_node_bytes_per_sync": per_sync, "inter_node_bytes_per_step": per_sync / h}
@@ -37,4 +40,13 @@ def format_diloco(rows: Optional[dict], exact_step_bytes: float) -> list[str]:
             f"and optimizer states (exact ZeRO-3 over the world: {rows['device_bytes_per_rank_exact_zero3'] / GIB:.2f}); "
             f"outer state {rows['outer_host_bytes_per_rank'] / GIB:.2f} GiB host memory per rank; inter-node "
             f"{rows['inter_node_bytes_per_step'] / GIB:.4f} GiB per step over all uplinks "
-            f"({rows['inter_node_bytes_per_step'] / (exact_step_bytes or 1.0):.4f}x the bound)"]
+            f"({rows['inter_node_bytes_per_step'] / (exact_step_bytes or 1.0):.4f}x the bound)"
+            + _warmup(rows, exact_step_bytes)]
+
+
+def _warmup(rows: dict, exact_step_bytes: float) -> str:
+    if not rows["warmup_steps"]:
+        return ""
+    step = rows["inter_node_bytes_per_warmup_step"]
+    return (f"; first {rows['warmup_steps']} exact warm-up steps at {step / GIB:.4f} GiB per step "
+            f"({step / (exact_step_bytes or 1.0):.4f}x the bound)")
