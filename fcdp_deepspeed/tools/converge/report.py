@@ -100,11 +100,11 @@ _STYLE = {"exact": ("black", "-"), "int8": ("tab:blue", "-"), "int4": ("tab:red"
 
 
 def _style(setting: str) -> tuple[str, str]:
-    """Colour and dashes of a setting's line: DiLoCo (issue 32) by its H, dashed with a codec."""
+    """Colour and dashes of a setting's line: DiLoCo (issue 32) by its H, dashed with a codec, dotted with a warm-up."""
     if setting.startswith("diloco"):
         h = setting.split("_")[0]
         color = {"diloco10": "tab:green", "diloco50": "tab:purple", "diloco100": "tab:brown"}.get(h, "tab:olive")
-        return color, "--" if "_int" in setting else "-"
+        return color, "--" if "_int" in setting else (":" if "_wu" in setting else "-")
     return _STYLE.get(setting, ("tab:gray", "-."))
 
 
