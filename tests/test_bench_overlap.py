@@ -69,7 +69,7 @@ def test_benchmarks_md_says_met_or_missed_per_target():
 
 
 PUSH_RUNS = ("bench_overlap_push_ga1_results.json", "bench_overlap_push_prefetch_results.json",
-             "bench_overlap_push_ga4_results.json")
+             "bench_overlap_push_ga4_results.json", "bench_overlap_push_ga1_quiet_results.json")
 
 
 @pytest.mark.parametrize("name", PUSH_RUNS)
