@@ -377,3 +377,55 @@ def test_committed_batch32_reference_and_the_doc_quote_each_other():
     ratio = loss["diloco10_lr1_mom0"] / loss["exact"]
     assert 1.0 < ratio < 1.1401
     assert f"**{ratio:.4f}x**" in (root / "docs" / "DILOCO.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    return run_ranks("diloco:four_nodes", 4, steps=2 * H, sync_every=H)
+
+
+def test_four_nodes_average_in_two_stages_bitwise_as_the_all_gather(four_nodes):
+    """[Note: two stages on more than two nodes]: on 4 nodes the uncompressed average is an all-to-all of slices
+    and an all-gather of their means: bitwise the all-gather path's mean on the same messages (with and without a
+    padded slice), the same on every rank, at 2 (N - 1) / N of a message per rank instead of N - 1."""
+    for numel in (1001, 1024):
+        runs = [r["pair"][numel] for r in four_nodes]
+        mean = sum(r["delta"].double() for r in runs) / 4
+        for r in runs:
+            assert r["flags"] == (True, False)
+            assert torch.equal(r["two_stage"], r["all_gather"]) and torch.equal(r["two_stage"], runs[0]["two_stage"])
+            assert torch.allclose(r["two_stage"].double(), mean, atol=1e-6)
+            width = -(-numel // 4)
+            assert r["sent"] == (2 * 3 * width * 4, 3 * numel * 4)
+
+
+def test_four_nodes_sync_to_bitwise_the_same_model(four_nodes):
+    """DiLoCo through ``deepspeed.initialize`` on 4 nodes x 1 rank: every rank equal after each sync and only then;
+    the outer step follows the float64 mean of the 4 pseudo-gradients."""
+    for s in range(2 * H):
+        w = [r["weights"][s] for r in four_nodes]
+        assert all(_equal(w[0], x) for x in w[1:]) == ((s + 1) % H == 0), s
+    for k in range(2):
+        recs = [r["records"][k] for r in four_nodes]
+        for i in range(len(recs[0]["outer"])):
+            outer = recs[0]["outer"][i].double()
+            g = sum(outer - rec["local"][i].double() for rec in recs) / 4
+            if k == 0:
+                expected = outer - LR * (g + MU * g)  # m = g on the first sync
+                assert torch.allclose(recs[0]["outer_after"][i].double(), expected, rtol=1e-5, atol=1e-6)
+            assert all(torch.equal(rec["outer_after"][i], recs[0]["outer_after"][i]) for rec in recs)
+    s = four_nodes[0]["stats"]
+    shard = sum(t.numel() for t in four_nodes[0]["records"][0]["outer"])
+    assert s["diloco_pseudo_grad_bytes"] == 2 * 2 * 3 * (-(-shard // 4)) * 4  # 2 syncs x 2 (N - 1) slices
+
+
+def test_fcdp_plan_counts_two_stages_on_more_than_two_nodes():
+    from fcdp_deepspeed.tools.plan.diloco import diloco_plan
+    from fcdp_deepspeed.tools.plan.planner import ClusterSpec
+    spec = ClusterSpec(params=7e9, nodes=4, ranks_per_node=8)
+    per_step = lambda **b: diloco_plan(spec, {"sync_every": 10, **b})["inter_node_bytes_per_step"]  # noqa: E731
+    assert per_step() == pytest.approx(per_step(fragments=2, overlap_steps=1) / 2)  # 2 (N - 1) / N vs N - 1
+    assert per_step(fragments=2, overlap_steps=0) == pytest.approx(per_step())  # blocking: two stages again
+    two = ClusterSpec(params=7e9, nodes=2, ranks_per_node=8)
+    assert diloco_plan(two, {"sync_every": 10})["inter_node_bytes_per_step"] == pytest.approx(
+        diloco_plan(two, {"sync_every": 10, "fragments": 2})["inter_node_bytes_per_step"])  # 2 nodes: the same

@@ -5,6 +5,16 @@ by N: the same bytes in the same order of torch ops on every peer, so every node
 whatever the backend's all-reduce algorithm does (a ring all-reduce may sum in a different order per rank). On two
 nodes this moves the same bytes as an all-reduce; on N nodes each rank receives (N - 1) messages.
 
+[Note: two stages on more than two nodes] Uncompressed, on N > 2 nodes, with a blocking sync (``overlap_steps`` 0),
+the average is a fixed-order reduce-scatter and an all-gather instead: each peer sends the i-th of N equal slices
+of its message to peer i (an all-to-all), peer i sums the N slices it receives in peer order and divides by N, and
+the peers all-gather the averaged slices. Each element is summed once, on one peer, by the formula the all-gather
+path uses on every peer (the same adds in the same order), so the result is bitwise that of the all-gather path,
+and every node receives the same bits; each rank sends 2 (N - 1) / N of a message instead of N - 1 (0.75x on 3
+nodes, 0.5x on 4, 0.25x on 8). On two nodes the two are the same bytes and the single all-gather is kept. A
+streaming exchange keeps the all-gather (its second stage would run at the completion, outside the overlap), and
+so does a codec (the averaged slices would need a second rounding).
+
 Compressed (``fcdp.diloco.compression`` int8/int4, ``compress/quant.py``): each rank sends ``encode(delta + r)``
 and keeps the error ``r = (delta + r) - decode(...)`` for its next sync (error feedback across syncs); every peer
 decodes every message, its own included ([Note: determinism] in ``compress/quant.py``). int4 rotates its blocks
@@ -31,14 +41,20 @@ class Flight:
     message: torch.Tensor
     gathered: list[torch.Tensor]
     work: Any
+    #: Two stages ([Note: two stages on more than two nodes]): the slice length; ``gathered`` is then the one
+    #: all-to-all output, the peers' slices of this rank's part in peer order. 0: the all-gather.
+    slice: int = 0
 
 
 class PseudoGradExchange:
     """Averages pseudo-gradient shards over a peer group of ``num_nodes`` ranks, optionally compressed."""
 
-    def __init__(self, codec: Optional[Codec], peer_group: Any, num_nodes: int) -> None:
+    def __init__(self, codec: Optional[Codec], peer_group: Any, num_nodes: int, blocking: bool = True) -> None:
         self.codec, self.group, self.num_nodes = codec, peer_group, num_nodes
-        #: Bytes this rank sent (its messages), since the engine was built.
+        #: [Note: two stages on more than two nodes]
+        self.two_stage = codec is None and num_nodes > 2 and blocking
+        #: Bytes this rank sent since the engine was built (gloo's ring): ``N - 1`` messages per all-gather,
+        #: ``2 (N - 1)`` slices per two-stage exchange.
         self.sent_bytes = 0
 
     def encode(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -52,10 +68,22 @@ class PseudoGradExchange:
         return message
 
     def start(self, message: torch.Tensor, numel: int) -> Flight:
-        """Issue the all-gather of ``message`` over the peers (asynchronous: :meth:`finish` waits for it)."""
+        """Issue the all-gather of ``message`` over the peers, or the first stage of the two (asynchronous:
+        :meth:`finish` waits for it)."""
+        if self.two_stage:
+            n = self.num_nodes
+            width = -(-message.numel() // n)
+            send = message
+            if message.numel() != n * width:  # the last slice padded with zeros
+                send = torch.zeros(n * width, dtype=message.dtype, device=message.device)
+                send.narrow(0, 0, message.numel()).copy_(message)
+            received = torch.empty_like(send)
+            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+            self.sent_bytes += 2 * (n - 1) * width * send.element_size()
+            return Flight(numel, send, [received], work, slice=width)
         gathered = [torch.empty_like(message) for _ in range(self.num_nodes)]
         work = dist.all_gather(gathered, message, group=self.group, async_op=True)
-        self.sent_bytes += message.numel() * message.element_size()
+        self.sent_bytes += (self.num_nodes - 1) * message.numel() * message.element_size()
         return Flight(numel, message, gathered, work)
 
     def finish(self, flight: Flight, wait: bool = True) -> torch.Tensor:
@@ -63,11 +91,25 @@ class PseudoGradExchange:
         the peers' messages before the work completes)."""
         if wait:
             flight.work.wait()
+        if flight.slice:
+            return self._second_stage(flight)
         total = None
         for m in flight.gathered:  # peer order: the same sum on every peer
             value = m if self.codec is None else self.codec.decode(m, flight.numel)
             total = value.clone() if total is None else total.add_(value)
         return total.div_(self.num_nodes)
+
+    def _second_stage(self, flight: Flight) -> torch.Tensor:
+        """Average this rank's slice over the peers (peer order, as :meth:`finish` sums), all-gather the slices."""
+        n, width = self.num_nodes, flight.slice
+        parts = flight.gathered[0].view(n, width)
+        mine = parts[0].clone()
+        for part in parts[1:]:
+            mine.add_(part)
+        mine.div_(n)
+        out = torch.empty(n * width, dtype=mine.dtype, device=mine.device)
+        dist.all_gather(list(out.view(n, width).unbind(0)), mine, group=self.group)
+        return out.narrow(0, 0, flight.numel)
 
     def average(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """Encode, exchange and average at once (blocking)."""

@@ -80,7 +80,8 @@ class DiLoCoSteps:
         layout = {"node": sorted(set(topo.node_of_rank)).index(node), "nodes": topo.num_nodes,
                   "ranks_per_node": topo.ranks_per_node}
         ranges = [valid_ranges(group, topo.rank_in_node) for group in self.fp16_groups]
-        self.fcdp_diloco = DiLoCoSync(cfg, PseudoGradExchange(codec, peers, topo.num_nodes), topo.group, ranges,
+        self.fcdp_diloco = DiLoCoSync(cfg, PseudoGradExchange(codec, peers, topo.num_nodes, blocking=cfg.overlap == 0),
+                                      topo.group, ranges,
                                       OuterState.from_masters(masters, codec is not None), layout)
         self.fcdp_state = CompressionState()
         self.fcdp_state.register("diloco", DiLoCoState(self.fcdp_diloco, lambda: self.fp32_partitioned_groups_flat,

@@ -15,10 +15,10 @@ HIDDEN = 32
 
 
 def _config(dtype: str = "fp32", grad_accum: int = 1, loss_scale_power: int = 8, persist: bool = False,
-            **diloco) -> dict:
+            ranks_per_node: int = 2, **diloco) -> dict:
     block = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, **diloco}
     zero = {"stage3_param_persistence_threshold": 10**9} if persist else {}  # persist: every parameter stays gathered
-    return toy.ds_config(fcdp_block(diloco=block), regime="large", dtype=dtype, grad_accum=grad_accum,
+    return toy.ds_config(fcdp_block(ranks_per_node, diloco=block), regime="large", dtype=dtype, grad_accum=grad_accum,
                          loss_scale_power=loss_scale_power, **zero)
 
 
@@ -55,14 +55,15 @@ def _spy(sync) -> list:
 
 
 def train(steps: int = 7, dtype: str = "fp32", grad_accum: int = 1, lora_rank: int = 0, loss_scale_power: int = 8,
-          persist: bool = False, activation_checkpointing: bool = False, **diloco) -> dict:
+          persist: bool = False, activation_checkpointing: bool = False, ranks_per_node: int = 2, **diloco) -> dict:
     """Train ``steps`` steps; after every step gather this node's full model (a node-local gather)."""
-    setup()
+    setup(ranks_per_node)
     if dtype == "fp16":  # [Note: fp16 on the CPU accelerator] in workers/grads.py
         from deepspeed.accelerator import get_accelerator
         type(get_accelerator()).is_fp16_supported = lambda self: True
     logs = LogCapture()
-    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, **diloco), lora_rank=lora_rank,
+    engine = toy.build_engine(_config(dtype, grad_accum, loss_scale_power, persist, ranks_per_node, **diloco),
+                              lora_rank=lora_rank,
                               activation_checkpointing=activation_checkpointing)
     sync = engine.optimizer.fcdp_diloco
     every_step = _spy(sync)
@@ -212,4 +213,21 @@ def warmup(steps: int = 8, warmup_steps: int = 2, sync_every: int = 3) -> dict:
         _step(engine, step, "fp32")
         exact.append(toy.gather_weights(engine))
     res["exact_weights"] = exact
+    return res
+
+
+def four_nodes(steps: int = 6, sync_every: int = 3) -> dict:
+    """DiLoCo on 4 nodes x 1 rank (the two-stage exchange), and the two exchanges side by side on the same
+    random messages over the same peers."""
+    from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
+    res = train(steps=steps, sync_every=sync_every, ranks_per_node=1)
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())
+    pair = {}
+    for numel in (1001, 1024):  # a padded last slice, and none
+        delta = torch.randn(numel, generator=gen)
+        two, one = PseudoGradExchange(None, None, 4), PseudoGradExchange(None, None, 4, blocking=False)
+        pair[numel] = {"two_stage": two.average(delta, None), "all_gather": one.average(delta, None),
+                       "flags": (two.two_stage, one.two_stage), "sent": (two.sent_bytes, one.sent_bytes),
+                       "delta": delta}
+    res["pair"] = pair
     return res

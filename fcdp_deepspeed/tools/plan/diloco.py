@@ -3,8 +3,8 @@
 Memory per rank, ZeRO-3 over the node's L ranks (not the world's W): 16-bit parameters and gradients
 (``dtype_bytes`` each), fp32 master weights and Adam's two moments (12 B) per trainable parameter, all / L; host
 memory: the outer shard and momentum (8 B per trainable parameter / L), plus the residual (4 B) with compression.
-Inter-node bytes per optimizer step: each rank's pseudo-gradient message reaches its N - 1 peers (an all-gather),
-once every ``sync_every`` steps; during ``warmup_steps`` each rank's gradient partition (the model's dtype, as
+Inter-node bytes per optimizer step: each rank's pseudo-gradient message reaches its N - 1 peers (an all-gather;
+uncompressed and blocking on N > 2 nodes two stages of 2 (N - 1) / N of a message), once every ``sync_every`` steps; during ``warmup_steps`` each rank's gradient partition (the model's dtype, as
 stage 3 accumulates it unless ``data_types.grad_accum_dtype`` says otherwise) reaches its N - 1 peers every step.
 """
 from __future__ import annotations
@@ -23,7 +23,11 @@ def diloco_plan(spec: Any, block: Mapping[str, Any]) -> dict:
     p, t = spec.params, spec.params * spec.trainable_fraction
     device = lambda ranks: (2 * spec.dtype_bytes * p + 12 * t) / ranks  # noqa: E731 - params+grads, master+Adam
     message = wire_bytes(codec, int(t / L), spec.compression_block)
-    per_sync = n * L * (n - 1) * message  # summed over all node uplinks
+    # summed over all node uplinks: N - 1 messages per rank, or 2 (N - 1) / N of one in two stages (diloco/exchange.py)
+    overlap = block.get("overlap_steps")  # as DiLoCoConfig.overlap resolves it
+    blocking = int(overlap) == 0 if overlap is not None else int(block.get("fragments", 1)) == 1
+    two_stage = codec == "off" and n > 2 and blocking
+    per_sync = n * L * (2 * (n - 1) / n if two_stage else n - 1) * message
     warmup = int(block.get("warmup_steps", 0))
     return {"sync_every": h, "compression": codec, "warmup_steps": warmup,
             "inter_node_bytes_per_warmup_step": n * L * (n - 1) * spec.dtype_bytes * t / L,
