@@ -130,3 +130,22 @@ def test_committed_warmup_runs_and_the_docs_quote_each_other():
     engine = {r["setting"]: r for r in json.loads((root / "docs" / "converge_diloco_results.json").read_text())["records"]}
     ref = next(r for r in data["records"] if (r["micro_batch"], r["diloco"]["warmup_steps"]) == (8, 100))
     assert abs(engine["diloco10_lr1_mom0_wu100"]["final_heldout_loss"] - ref["final_heldout_loss"]) < 1e-3
+
+
+def test_bf16_with_accumulation_and_int4_stays_bitwise_equal_through_the_warmup():
+    """bf16 (stage 3 accumulates bf16 gradients: averaged in fp32, rounded back), two micro-steps per step, int4
+    pseudo-gradients after the warm-up: every rank equal after each warm-up step and after the sync, not between."""
+    res = run_ranks("diloco:train", 4, steps=WARMUP + H, dtype="bf16", grad_accum=2, sync_every=H,
+                    compression="int4", warmup_steps=WARMUP)
+    for s in range(WARMUP + H):
+        assert _same_everywhere(res, s) == (s < WARMUP or s == WARMUP + H - 1), s
+    assert all(r["stats"]["diloco_syncs"] == 1 and r["stats"]["diloco_warmup_grad_bytes"] > 0 for r in res)
+
+
+def test_fp16_loss_scalers_agree_through_the_warmup():
+    """fp16 with a loss scale that overflows the first steps: during the warm-up every node sees the same averaged
+    gradients, so every node's scaler skips the same steps and the model stays bitwise equal everywhere."""
+    res = run_ranks("diloco:train", 4, steps=WARMUP + 2, dtype="fp16", sync_every=H, loss_scale_power=18,
+                    warmup_steps=WARMUP + 2)
+    assert len({r["skipped_steps"] for r in res}) == 1 and res[0]["skipped_steps"] > 0
+    assert all(_same_everywhere(res, s) for s in range(WARMUP + 2))
