@@ -37,16 +37,16 @@ class OuterState:
     @classmethod
     def from_masters(cls, masters: Sequence[torch.Tensor], with_residual: bool) -> "OuterState":
         """Outer parameters equal to the fp32 masters, zero momentum (and residuals)."""
-        params = [_copy_master(m, device.pin_empty(m.numel(), torch.float32)) for m in masters]
-        if any(m.device.type != "cpu" for m in masters):
-            device.host_wait(device.record_event())  # the copies land before anyone reads them on the host
+        params = [device.pin_empty(m.numel(), torch.float32) for m in masters]
         momentum = [device.pin_empty(p.numel(), torch.float32).zero_() for p in params]
         residual = [device.pin_empty(p.numel(), torch.float32).zero_() for p in params] if with_residual else None
-        return cls(params, momentum, residual)
+        state = cls(params, momentum, residual)
+        state.restart_from(masters)
+        return state
 
     def restart_from(self, masters: Sequence[torch.Tensor]) -> None:
-        """Outer parameters := the fp32 masters in place (the end of the warm-up; momentum and residuals are still
-        zero: nothing was synced before)."""
+        """Outer parameters := the fp32 masters in place (at the build, and at the end of the warm-up, when momentum
+        and residuals are still zero: nothing was synced before)."""
         for dst, m in zip(self.params, masters):
             _copy_master(m, dst)
         if any(m.device.type != "cpu" for m in masters):

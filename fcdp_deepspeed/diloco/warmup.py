@@ -13,9 +13,9 @@ model pretrained with data parallelism (arXiv 2311.08105); local SGD after a syn
 scaler agree during the warm-up.
 
 The average is taken in chunks of at most :data:`CHUNK` elements (``all_gather`` of N chunks at a time, the sum in
-fp32 in peer order), so its accelerator memory is bounded whatever the model. Under ``offload_optimizer`` the
-gradients are the fp32 masters' ``.grad`` in host memory; each chunk goes to the accelerator (the collective's
-side) and back through the device door.
+fp32 in peer order), so its accelerator memory is bounded whatever the model. The gradients are stage 3's flat
+partition buffer, on the accelerator: ``offload_optimizer``, whose step takes the gradient norms in the backward
+(before the average) and keeps its gradients in host memory, is refused with a warm-up (``config/diloco.py``).
 """
 from __future__ import annotations
 
@@ -25,32 +25,23 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.machine import device
-
 #: Elements averaged per collective: 16 Mi elements (64 MB in fp32) per message.
 CHUNK = 1 << 24
 
 
 @torch.no_grad()
 def average_over_peers_(flats: Sequence[torch.Tensor], peer_group: Any, num_nodes: int) -> int:
-    """Every tensor of ``flats`` (1-D) := its mean over the ``num_nodes`` peers, summed in fp32 in peer order; the
-    same values on every peer. Blocking. Returns the bytes this rank sent."""
+    """Every tensor of ``flats`` (1-D, on the accelerator) := its mean over the ``num_nodes`` peers, summed in fp32
+    in peer order; the same values on every peer. Blocking. Returns the bytes this rank sent."""
     sent = 0
     for flat in flats:
         for start in range(0, flat.numel(), CHUNK):
             piece = flat.narrow(0, start, min(CHUNK, flat.numel() - start))
-            mine = device.to_accel(piece)
-            gathered = [torch.empty_like(mine) for _ in range(num_nodes)]
-            dist.all_gather(gathered, mine, group=peer_group)
-            sent += mine.numel() * mine.element_size()
+            gathered = [torch.empty_like(piece) for _ in range(num_nodes)]
+            dist.all_gather(gathered, piece, group=peer_group)
+            sent += piece.numel() * piece.element_size()
             total = gathered[0].float()  # a copy unless fp32: then summed in place into the gathered buffer
             for m in gathered[1:]:
                 total.add_(m.float())
-            mean = total.div_(num_nodes).to(piece.dtype)
-            if device.current().is_host(piece):
-                device.to_host(mean, out=piece)
-            else:
-                piece.copy_(mean)
-    if any(device.current().is_host(f) for f in flats):
-        device.host_wait(device.record_event())  # the optimizer reads host gradients on the host
+            piece.copy_(total.div_(num_nodes))
     return sent

@@ -92,18 +92,14 @@ class DiLoCoSteps:
         sync = self.fcdp_diloco
         if sync is not None and sync.in_warmup and not broken("skip_warmup"):  # [Note: the warm-up] in diloco/warmup.py
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
-                sync.warmup_bytes += average_over_peers_(self._reduced_grads(), self._peer_group(),
+                # stage 3's reduced gradient partitions, as its step reads them (offload_optimizer is refused)
+                sync.warmup_bytes += average_over_peers_([self.grad_partitions_flat_buffer], self._peer_group(),
                                                          self.fcdp_diloco_topology.num_nodes)
         out = super().step(closure)
         if self.fcdp_diloco is not None:
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
                 self.fcdp_diloco.after_step(self)
         return out
-
-    def _reduced_grads(self) -> list:
-        """This rank's reduced gradient partitions as stage 3's step reads them (the warm-up refuses
-        ``offload_optimizer``, whose norms are taken in the backward: ``config/diloco.py``)."""
-        return [self.grad_partitions_flat_buffer]
 
     def checkpoint_event_epilogue(self) -> None:
         super().checkpoint_event_epilogue()

@@ -128,19 +128,15 @@ def train(s: converge.ConvergeSpec, setting: str, final_eval: bool = True) -> di
                     loss = tinylm.loss_fn(rep.model(x), y)
                     (loss / (len(rep.ranks) * s.grad_accum)).backward()  # the replica's mean gradient
                     step_losses.append(loss.item())
-            if step >= warmup:
-                clip_(list(rep.model.parameters()), s.grad_clip)
-                rep.opt.step()
-                rep.sched.step()
         if step < warmup:  # exact data parallelism across the nodes: every replica steps on the mean gradient
             average_grads_(replicas)
-            for rep in replicas:
-                clip_(list(rep.model.parameters()), s.grad_clip)
-                rep.opt.step()
-                rep.sched.step()
-            if step + 1 == warmup:
-                for o, p in zip(outer, replicas[0].model.parameters()):
-                    o.copy_(p.detach())
+        for rep in replicas:
+            clip_(list(rep.model.parameters()), s.grad_clip)
+            rep.opt.step()
+            rep.sched.step()
+        if step + 1 == warmup:
+            for o, p in zip(outer, replicas[0].model.parameters()):
+                o.copy_(p.detach())
         losses.append(sum(step_losses) / len(step_losses))
         if block is not None and step >= warmup and (step + 1 - warmup) % block["sync_every"] == 0:
             outer_sync(replicas, outer, momentum, block)
