@@ -5,7 +5,8 @@ Values: every element is summed in the same order whatever its bucket and whenev
 bucket-sized work] in ``engine/grad_steps.py``), so the overlapped path is bit-identical to the synchronous one (DeepSpeed's
 one bucket, each stage waited for where it is issued) under node and per-rank accumulation, with a block that gets no
 gradient in the boundary micro-step (the flush) and with reentrant checkpointing (several epilogues per backward);
-``grad_reduce: flat`` keeps DeepSpeed's buckets and stays bit-identical to ZeRO-3. Broken variants
+``grad_reduce: flat`` keeps DeepSpeed's buckets and stays bit-identical to ZeRO-3. The window's first bucket leaves
+early and issues its stage 2 at once (grads/staging.py, engine/grad_steps.py): covered by the same identities. Broken variants
 (``FCDP_BREAK_GRADS``): reading a stage's result before it completed, and a backward's end that does not deliver
 what is in flight, each change the values. The stream-order model's variant is in test_device_discipline.py.
 """
@@ -49,6 +50,10 @@ def test_overlapped_stage_is_bit_identical_to_the_synchronous_one(results, name,
         assert overlap["bucket"] == 256 and sync["bucket"] == r[name]["plain"]["bucket"]
         # stages were in flight behind later buckets (two allowed, the third completes the oldest)
         assert overlap["stats"]["grad_inflight_max"] >= 2 and sync["stats"]["grad_inflight_max"] <= 1  # sync: the flush
+        # each window's first bucket left at a quarter of the bucket and its stage 2 went at once ([Note: the first
+        # bucket leaves early], [Note: nothing across, nothing kept]); the synchronous path has neither
+        assert overlap["stats"]["grad_first_bucket_early"] >= 1 and overlap["stats"]["grad_stage2_at_once"] >= 1
+        assert sync["stats"]["grad_first_bucket_early"] == 0 == sync["stats"]["grad_stage2_at_once"]
 
 
 def test_compressed_stage_overlaps_and_stays_close(results):

@@ -32,6 +32,10 @@ class GradCounters(EventCounters):
     """Parameter gradients handed to DeepSpeed's partitions after the inter-node stage."""
     flushed: int = 0
     """Of those, delivered at the end of the boundary backward (no gradient in that micro-step)."""
+    first_early: int = 0
+    """Windows whose first bucket was reduced at a quarter of the bucket ([Note: the first bucket leaves early])."""
+    at_once: int = 0
+    """Buckets whose stage 2 was issued right after their own stage 1 ([Note: nothing across, nothing kept])."""
 
 
 class GradReducer(StagedDelivery):
@@ -134,5 +138,7 @@ class GradReducer(StagedDelivery):
             "grad_delivered": c.delivered,
             "grad_flushed": c.flushed,
             "grad_inflight_max": self.queue.high_water,
+            "grad_first_bucket_early": c.first_early,
+            "grad_stage2_at_once": c.at_once,
             **(self.comm.compressor.stats() if self.comm.compressor is not None else {}),
         }

@@ -49,6 +49,24 @@ class StagedDelivery:
         """Whether stages are left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
         return self.queue.depth > 0
 
+    def keep_after_bucket(self) -> int:
+        """How many of the newest stage 1s a bucket leaves in flight ([Note: nothing across, nothing kept]).
+
+        [Note: nothing across, nothing kept] A bucket's stage 1 normally completes at the next bucket, so its stage 2
+        can only start one bucket later; while another stage 2 is in flight that costs nothing (the inter-node link is
+        busy). With none in flight (the window's first delivering bucket: the forward's parameters have all arrived)
+        the link would idle until the next bucket, so the bucket waits for its own stage 1 (inside the node: fast) and
+        issues its stage 2 at once. Agreed on every rank: the queue's length changes only by counts (buckets, depth,
+        the backward's end), never by timing; the collectives and their order on each group are unchanged, only the
+        second bucket's stage 1 is issued after the first's stage 2. Buckets whose sums go into the node buffer (a
+        micro-step before the boundary) issue no stage 2 and keep theirs in flight."""
+        if len(self.queue) or not len(self.node_stages):
+            return 1
+        if self.node_stages.entries[-1].accumulate:
+            return 1
+        self.counters.bump(at_once=1)
+        return 0
+
     def advance(self, keep: int) -> None:
         """Complete the issued stage 1 of every bucket but the newest ``keep``, oldest first: each goes into the
         node buffer or has its stage 2 issued (queued: :meth:`complete` delivers it)."""

@@ -254,11 +254,12 @@ def _last_step_trace(spans: list, events: list) -> dict:
 
 def _align_traces(traces: list[dict]) -> list[dict]:
     """Every rank's last-step trace relative to the earliest start of that step on any rank (one wall clock:
-    the ranks share a machine), rounded to 0.1 ms."""
+    the ranks share a machine), rounded to 0.1 ms; ``origin_unix_s`` aligns it with outside samplers."""
     starts = [a for t in traces for n, a, _ in t["spans"] if n == "train_step"]
     origin = min(starts) if starts else 0.0
     shift = lambda items: [[n, round(a - origin, 4), round(b - origin, 4)] for n, a, b in items]  # noqa: E731
-    return [{"rank": i, "spans": shift(t["spans"]), "events": shift(t["events"])} for i, t in enumerate(traces)]
+    return [{"rank": i, "origin_unix_s": origin, "spans": shift(t["spans"]), "events": shift(t["events"])}
+            for i, t in enumerate(traces)]
 
 
 def _combine(repeats: list[dict], rate: float, spec: BenchSpec) -> dict:
