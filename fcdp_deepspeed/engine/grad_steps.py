@@ -24,17 +24,6 @@ from fcdp_deepspeed.reporting.stats import GRAD_FAMILY, LEDGER, fmt_bytes
 #: DeepSpeed's bucket reduction (private, name-mangled; pinned by the version gate).
 AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 REDUCE_IPG = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
-#: [Note: the first bucket leaves early] DeepSpeed reduces a bucket when the next gradient would overflow it, so the
-#: backward's first bucket waits for the compute of the gradients after it, while nothing crosses the nodes: the
-#: forward's parameters have all arrived and no gradient is ready (measured: the busiest uplink idle ~40 ms of a ~1 s
-#: step at this point, emulated 2 x 2 at 100 Mbit/s). So the window's first delivering bucket is reduced as soon
-#: as it holds 1/FIRST_BUCKET_SHARE of ``reduce_bucket_size`` (after the gradient that filled it, in the same hook),
-#: and its stage 2 is issued at once ([Note: nothing across, nothing kept] in ``grads/staging.py``). Agreed: the
-#: decision depends on element counts, the queue's counts and the boundary flag only, the same on every rank; values
-#: do not change (a bucket boundary never changes a sum: [Note: bucket-sized work]). Not under a micro-step whose
-#: sums go into the node buffer (nothing crosses then) and not with DeepSpeed releases before 0.19 (no
-#: per-dtype ``ipg_buckets``: their buckets keep DeepSpeed's rule).
-FIRST_BUCKET_SHARE = 4
 _BUCKET = timeline.Phase.GRAD_BUCKET  # a gradient bucket's (or the window flush's) host time (timeline.py)
 
 #: [Note: bucket-sized work] DeepSpeed reduces a bucket when it is full (``reduce_bucket_size`` elements, default 5e8)
@@ -121,18 +110,9 @@ class GradSteps:
 
     def reduce_independent_p_g_buckets_and_remove_grads(self, param) -> None:
         super().reduce_independent_p_g_buckets_and_remove_grads(param)
-        reducer = self.fcdp_grads
-        if reducer is None or not reducer.deferring or len(reducer.queue) or len(reducer.node_stages):
-            return  # not the window's first bucket, or nothing deferred
-        if reducer.node_accumulation and not ds_compat.is_boundary(self):
-            return  # its sums go into the node buffer: nothing crosses in this micro-step
-        comm_dtype = self.get_param_comm_dtype(param) if hasattr(self, "get_param_comm_dtype") else None
-        bucket = getattr(self, "ipg_buckets", {}).get(comm_dtype)  # DeepSpeed 0.19; older releases: not done
-        if bucket is None or not bucket.params or bucket.elements * FIRST_BUCKET_SHARE < self.reduce_bucket_size:
-            return
-        # [Note: the first bucket leaves early]
-        reducer.counters.bump(first_early=1)
-        getattr(self, REDUCE_IPG)(comm_dtype)
+        if self.fcdp_grads is not None and self.fcdp_grads.first_bucket_due(ds_compat.ipg_bucket(self, param),
+                                                                            self.reduce_bucket_size):
+            getattr(self, REDUCE_IPG)(self.get_param_comm_dtype(param))  # [Note: the first bucket leaves early]
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
         # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]

@@ -14,6 +14,9 @@ from fcdp_deepspeed.grads.inflight import Inflight, InterNodeQueue, Pending
 from fcdp_deepspeed.grads.layout import chunk_numel, own_chunk_numel
 from fcdp_deepspeed.reporting import timeline
 
+#: The window's first bucket is reduced once it holds this fraction of the bucket ([Note: the first bucket leaves early]).
+FIRST_BUCKET_SHARE = 4
+
 
 @dataclass(eq=False)
 class NodeStage:
@@ -39,6 +42,8 @@ class StagedDelivery:
     counters: Any
     accumulation_dtype: torch.dtype
     node_accumulation: bool
+    #: Whether the current micro-step is the accumulation boundary (DeepSpeed's flag, agreed on every rank).
+    is_boundary: Any
     #: Stage 1 in flight (the newest bucket's, completed at the next bucket or the backward's end).
     node_stages: InterNodeQueue
     #: Stage 2 in flight (``fcdp.grad_inflight_buckets``).
@@ -48,6 +53,28 @@ class StagedDelivery:
     def deferring(self) -> bool:
         """Whether stages are left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
         return self.queue.depth > 0
+
+    def first_bucket_due(self, bucket: Any, bucket_size: int) -> bool:
+        """Whether DeepSpeed's ``bucket`` (``ds_compat.ipg_bucket``; ``None``: not known) should be reduced now.
+
+        [Note: the first bucket leaves early] DeepSpeed reduces a bucket when the next gradient would overflow it, so
+        the backward's first bucket waits for the compute of the gradients after it while nothing crosses the nodes:
+        the forward's parameters have all arrived and no gradient is ready (measured: the busiest uplink idle ~40 ms
+        of a ~1 s step here, emulated 2 x 2 at 100 Mbit/s). So the window's first delivering bucket is reduced as soon
+        as it holds 1/:data:`FIRST_BUCKET_SHARE` of ``reduce_bucket_size`` (after the gradient that filled it, in the
+        same hook: ``engine/grad_steps.py``), and its stage 2 is issued at once ([Note: nothing across, nothing
+        kept]). Agreed: the decision depends on element counts, the queue's counts and the boundary flag only, the
+        same on every rank; values do not change (a bucket boundary never changes a sum: [Note: bucket-sized work]).
+        Not in a micro-step whose sums go into the node buffer (nothing crosses then), and not with DeepSpeed
+        releases before 0.19 (``ds_compat.ipg_bucket``: their buckets keep DeepSpeed's rule)."""
+        elements = bucket.elements if bucket is not None and bucket.params else 0
+        if not self.deferring or len(self.queue) or len(self.node_stages) or not elements or \
+                elements * FIRST_BUCKET_SHARE < bucket_size:
+            return False
+        if self.node_accumulation and not self.is_boundary():
+            return False
+        self.counters.bump(first_early=1)
+        return True
 
     def keep_after_bucket(self) -> int:
         """How many of the newest stage 1s a bucket leaves in flight ([Note: nothing across, nothing kept]).
