@@ -1,5 +1,6 @@
-"""Stage 1 run ahead at the step's end (``fcdp.param_push_bytes``, runtime/runahead.py): bit-identical to ZeRO-3,
-never read before complete, never read stale; each broken variant changes the values."""
+"""Stage 1 run ahead at the step's end (``fcdp.param_push_bytes``, runtime/runahead.py) and from the window's first
+fetch (``fcdp.param_runahead_bytes``, the default): bit-identical to ZeRO-3, never read before complete, never read
+stale; each broken variant changes the values."""
 from __future__ import annotations
 
 import tempfile
@@ -62,3 +63,22 @@ def test_with_deepspeed_s_prefetch_every_push_is_used():
         assert r["fcdp"]["losses"] == r["plain"]["losses"]
         s = r["fcdp"]["stats"]
         assert s["param_push_used"] > 0 and s["param_push_unused"] == 0, s
+
+
+def test_from_the_first_fetch_bit_identical_and_nothing_crosses_for_nothing(results):
+    """The default run-ahead ([Note: from the window's first fetch]): issued at each window's first two-stage gather
+    and used, the values ZeRO-3's; the checkpoint load and the ``GatheredParameters`` edit between steps cancel
+    nothing (nothing had crossed yet), and no group crossed unused."""
+    for r in results:
+        for name in ("window", "window_rolling"):
+            assert r[name]["losses"] == r["plain"]["losses"], name
+            assert torch.equal(r[name]["out"], r["plain"]["out"]) and torch.equal(r[name]["out2"], r["plain"]["out2"])
+            s = r[name]["stats"]
+            assert s["param_push_groups"] > 0 and s["param_push_used"] > 0, (name, s)
+            assert s["param_push_cancelled"] == 0 and s["param_push_unused"] == 0, (name, s)
+        assert r["window_rolling"]["stats"]["param_push_rolled"] > 0
+
+
+def test_from_the_first_fetch_reading_before_complete_changes_values(results):
+    """Rank 2 is late into each window (its step's end sleeps): a stage 2 that does not wait reads its slot early."""
+    assert any(r["window_read_early"]["losses"] != r["plain"]["losses"] for r in results)

@@ -233,6 +233,10 @@ class FCDPConfig(GradStageFields):
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
+    param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
+    """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
+    stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
+    ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
     param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
 
     param_compression: Literal["off", "int8", "int4"] = "off"

@@ -1,4 +1,17 @@
-"""Run-ahead: stage 1 of the next window's misses, issued when the optimizer step ends (``fcdp.param_push_bytes``).
+"""Run-ahead: stage 1 of the next window's misses, issued ahead of the fetches that need them: from the window's first
+two-stage gather (``fcdp.param_runahead_bytes``, the default) or already at the optimizer step's end (the push,
+``fcdp.param_push_bytes``, opt-in).
+
+[Note: from the window's first fetch] The push (below) starts the slow hop at the step's end, so a group that an
+invalidation between steps cancels (a checkpoint load, a ``GatheredParameters`` edit) or that the next window does
+not fetch crossed the nodes for nothing. The default run-ahead plans at the step's end but issues nothing until the
+window's first two-stage gather: if that gather is the plan's first group, it issues the plan's budget prefix (the
+fetch takes its own group from it) and rolls on as the push does ([Note: a rolling push]); if not, the window does
+not follow the plan and nothing is issued ahead in it. So every event between steps has been applied before a byte
+crosses, the bytes per step are the window's own (exactly the bound while the window fetches as the last one did),
+and the head start lost against the push is the time from the step's end to the first fetch (data loading: about
+nothing in the bench). A batched refill (LoRA's adapters, ``refill.py``) is the window's first gather and the whole
+plan: issued where it was anyway. Agreed: the first two-stage gather after a step is the same call on every rank.
 
 [Note: the slow hop runs ahead]
 After a step every trainable parameter is a miss at its next fetch, and stage 1 of the two-stage gather (the
@@ -51,6 +64,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from fcdp_deepspeed import faults
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import EventCounters
+from fcdp_deepspeed.runtime.sequencer import stage1_delay
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
@@ -70,7 +84,7 @@ def _push_delay() -> float:
 @dataclass
 class RunAheadCounters(EventCounters):
     pushed: int = 0
-    """Groups whose stage 1 was issued at a step's end."""
+    """Groups whose stage 1 was issued at a step's end (the push) or at the window's first fetch."""
     used: int = 0
     """Pushed groups a fetch used."""
     cancelled: int = 0
@@ -110,6 +124,11 @@ class RunAhead:
     #: The planned groups the budget held back at the push, by key in plan order: issued as fetches take pending
     #: ones (a dict: a fetch drops its own key in O(1), and a group planned twice is issued once).
     planned: dict = field(default_factory=dict)
+    #: ``"first_fetch"``: the plan waits for the window's first two-stage gather ([Note: from the window's first
+    #: fetch]); ``"step_end"``: the push issues at the step's end.
+    start: str = "step_end"
+    #: A plan made at the step's end waits for the window's first gather (``start == "first_fetch"``).
+    armed: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def record(self, params: Sequence[torch.nn.Parameter]) -> None:
@@ -122,6 +141,12 @@ class RunAhead:
         its stage 2, ``sequencer.py``), or ``None``."""
         key = tuple(p.ds_id for p in params)
         with self._lock:
+            if self.armed:  # the window's first two-stage gather ([Note: from the window's first fetch])
+                self.armed = False
+                if next(iter(self.planned), None) == key:
+                    self._issue(rolled=False)
+                else:
+                    self.planned = {}  # the window does not follow the plan: nothing is issued ahead in it
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
         if pending is not None:
@@ -154,7 +179,9 @@ class RunAhead:
             self.planned = {}
             for params in self.plan(trace):
                 self.planned.setdefault(tuple(p.ds_id for p in params), params)
-        self._issue(rolled=False)
+            self.armed = self.start == "first_fetch"
+        if not self.armed:
+            self._issue(rolled=False)
 
     def _issue(self, rolled: bool) -> None:
         """Issue stage 1 of the planned groups, in order, while the pending ones fit the budget.
@@ -182,6 +209,7 @@ class RunAhead:
                 del self.planned[key]
                 total += nbytes
                 flat, bundle, mine, part = self.gather.buffers(params)
+                stage1_delay()  # test-only skew (FCDP_STAGE1_DELAY), as for a stage 1 issued by its fetch
                 work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
                 timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
                 self.pending[key] = Pending(key, flat, bundle, part, work, nbytes)
@@ -196,7 +224,7 @@ class RunAhead:
             return  # test-only: a push that survives an invalidation
         with self._lock:
             if params is None:
-                dropped, self.pending, self.planned = list(self.pending.values()), {}, {}
+                dropped, self.pending, self.planned, self.armed = list(self.pending.values()), {}, {}, False
             else:
                 ids = {p.ds_id for p in params}
                 dropped = [v for k, v in self.pending.items() if ids.intersection(k)]
@@ -220,8 +248,13 @@ class RunAhead:
 
 def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock],
                    batcher: Any = None) -> Optional[RunAhead]:
-    """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead])."""
-    if gather is None or gather.queue is None or gather.compression is not None or not config.param_push_bytes:
+    """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead]): the push when
+    ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
+    if gather is None or gather.queue is None or gather.compression is not None:
         return None
-    gather.runahead = RunAhead(gather, config.param_push_bytes, clock, batcher=batcher)
+    budget, start = (config.param_push_bytes, "step_end") if config.param_push_bytes else \
+        (config.param_runahead_bytes, "first_fetch")
+    if not budget:
+        return None
+    gather.runahead = RunAhead(gather, budget, clock, batcher=batcher, start=start)
     return gather.runahead

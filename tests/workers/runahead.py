@@ -1,4 +1,5 @@
-"""Workers of test_runahead.py: stage 1 run ahead at the step's end (``runtime/runahead.py``), correct and broken."""
+"""Workers of test_runahead.py: stage 1 run ahead at the step's end or from the window's first fetch
+(``runtime/runahead.py``), correct and broken."""
 from __future__ import annotations
 
 import os
@@ -27,8 +28,11 @@ def _edit_trainable(engine, delta: float) -> None:
 ROLLING_BYTES = 6000
 
 
-def _run(fcdp: bool, ckpt_dir: str, tag: str, budget: int = 2**30) -> dict:
-    cfg = toy.ds_config(fcdp_block(param_push_bytes=budget) if fcdp else None, regime="large")  # opt-in
+def _run(fcdp: bool, ckpt_dir: str, tag: str, budget: int = 2**30, window: int = 0) -> dict:
+    """``budget``: the push from the step's end (opt-in); ``window``: with ``budget`` 0, the default run-ahead from
+    the window's first fetch with that budget ([Note: from the window's first fetch])."""
+    block = fcdp_block(param_push_bytes=budget) if budget else fcdp_block(param_runahead_bytes=window)
+    cfg = toy.ds_config(block if fcdp else None, regime="large")
     engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
     # from the third step on nothing synchronizes the ranks between a push and its use (DeepSpeed's trace is complete)
     losses = toy.train(engine, 3, hidden=HIDDEN).losses
@@ -51,9 +55,10 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
     out = {"plain": _run(False, ckpt_dir, "plain")}
     for name, broken, budget in (("fcdp", "", 2**30), ("read_early", "read_early", 2**30),
                                  ("skip_invalidation", "skip_invalidation", 2**30), ("rolling", "", ROLLING_BYTES),
-                                 ("rolling_skip_invalidation", "skip_invalidation", ROLLING_BYTES)):
+                                 ("rolling_skip_invalidation", "skip_invalidation", ROLLING_BYTES),
+                                 ("window", "", 0), ("window_rolling", "", 0), ("window_read_early", "read_early", 0)):
         os.environ[runahead.BREAK_ENV] = broken
-        out[name] = _run(True, ckpt_dir, name, budget)
+        out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
         os.environ[runahead.BREAK_ENV] = ""
     return out
 

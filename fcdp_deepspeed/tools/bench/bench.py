@@ -51,6 +51,8 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                # issue 31: the run-ahead of stage 1 (runtime/runahead.py) is opt-in; the committed
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
+               # the defaults without the run-ahead from the window's first fetch (param_runahead_bytes, default on)
+               "fcdp_node_noahead": {"grad_accumulation": "node", "param_runahead_bytes": 0},
                "fcdp_node_push": {"grad_accumulation": "node", "param_push_bytes": 2**30},
                # a rolling push of a few groups ([Note: a rolling push]): 8 MiB of host buffers in flight
                "fcdp_node_push8m": {"grad_accumulation": "node", "param_push_bytes": 8 * 2**20},
@@ -67,7 +69,7 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
 #: before a change), interleaved with this one's engines in one run: a side-by-side before/after on one machine.
