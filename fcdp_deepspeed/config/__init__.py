@@ -147,7 +147,8 @@ def _size_string_to_bytes(value: Any, info: Any) -> Any:
 
 
 class GradStageFields(DiLoCoField):
-    """The base of ``FCDPConfig`` that holds the keys of the gradient stages' overlap with the backward (issue 31)."""
+    """The base of ``FCDPConfig`` that holds the keys of the overlap with compute (issue 31): the gradient stages
+    behind the backward and the parameters' run-ahead."""
 
     grad_bucket_size: Annotated[Any, BeforeValidator(_grad_bucket_size)] = "auto"
     """Cap (elements) on DeepSpeed's ``reduce_bucket_size`` with the hierarchical reduce; ``auto``: ~8 buckets, ``0``:
@@ -155,6 +156,11 @@ class GradStageFields(DiLoCoField):
     grad_inflight_buckets: int = Field(4, ge=0, strict=True)
     """Gradient stages left in flight behind the backward; ``0``: synchronous ([Note: the inter-node stage runs
     behind the backward] in ``grads/inflight.py``)."""
+    param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
+    """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
+    stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
+    ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
+    param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
 
 
 class FCDPConfig(GradStageFields):
@@ -233,11 +239,6 @@ class FCDPConfig(GradStageFields):
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
     accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
-    param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
-    """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
-    stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
-    ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
-    param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
 
     param_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""

@@ -46,7 +46,7 @@ class Phase(enum.Enum):
     OPTIMIZER_STEP = "optimizer_step"
     """``step()`` outside the phases above: the norm's all-reduce, the optimizer's compute, invalidation."""
     PUSH_WAIT = "push_wait"
-    """Waiting for a run-ahead stage 1 (``fcdp.param_push``) at the fetch that uses it."""
+    """Waiting for a run-ahead stage 1 (``fcdp.param_runahead_bytes``/``param_push_bytes``) at the fetch that uses it."""
 
 
 #: Names of the spans :func:`in_flight` records (not phases: nobody waits in them, the transfer runs beside the host).
