@@ -98,3 +98,42 @@ def test_the_layout_and_lora_runs_change_no_value_and_are_quoted(name):
                     f"{r['wire_s']:.3f} | {r['step_vs_floor']:.2f}x |") in text
     if "lora" in name:
         assert by[("2x2", 10, "fcdp_node")]["step_vs_floor"] <= 1.1
+
+
+RUNAHEAD_RUNS = ("bench_overlap_runahead_ga1_results.json", "bench_overlap_runahead_prefetch_results.json",
+                 "bench_overlap_runahead_ga4_results.json")
+
+
+@pytest.mark.parametrize("name", RUNAHEAD_RUNS)
+def test_the_runahead_changes_no_value_and_no_byte_and_is_quoted(name):
+    """The run-ahead from the window's first fetch (session 2026-12-04e, ``fcdp_node`` = the new defaults vs the last
+    landed commit and, where run, the same tree without it): the same losses bit for bit and counted bytes on both
+    networks, its groups waited for in the push-wait phase, and BENCHMARKS.md quotes the shaped table."""
+    by = _by(name)
+    for (rate, engine), r in by.items():
+        if engine.startswith("fcdp_int"):  # lossy: its own losses and bytes (test_every_shaped_row... covers it)
+            continue
+        assert r["losses"] == by[(rate, BEFORE)]["losses"], (rate, engine)
+        assert r["counted_inter_node_bytes_per_step"] == pytest.approx(
+            by[(rate, BEFORE)]["counted_inter_node_bytes_per_step"], rel=0.01), (rate, engine)
+    assert by[(100, AFTER)]["timeline_s"]["push_wait"] > 0 and by[(100, BEFORE)]["timeline_s"]["push_wait"] == 0
+    if (100, "fcdp_node_noahead") in by:
+        assert by[(100, "fcdp_node_noahead")]["timeline_s"]["push_wait"] == 0
+    assert timeline_plot.markdown(_rows(name), 100) in (DOCS / "BENCHMARKS.md").read_text()
+
+
+def test_the_runahead_verdicts_follow_from_their_numbers():
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    g1, pf, g4 = (_by(n) for n in RUNAHEAD_RUNS)
+    lora = {(r["rate_mbit"], r["engine"]): r for r in _rows("bench_overlap_runahead_lora10_results.json")}
+    codec = g1[(0, "fcdp_int4")]["step_time_s"] / g1[(0, AFTER)]["step_time_s"]
+    for label, ratio, target in (("exact defaults, GA 1", g1[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("exact defaults, GA 1, prefetch 5e7", pf[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("exact defaults, GA 4", g4[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("int4/int4 compute vs exact, GA 1", codec, 1.25),
+                                 ("int4/int4 step vs its limit, GA 1", g1[(100, "fcdp_int4")]["step_vs_floor"], 1.2),
+                                 ("LoRA at 10 Mbit/s, defaults", lora[(10, AFTER)]["step_vs_floor"], 1.1)):
+        assert f"| {label} (run-ahead run) | {ratio:.2f}x | {'met' if ratio <= target else 'missed'} |" in text, label
+    for r in lora.values():  # the defaults' run-ahead, without it and the push: the same losses
+        assert r["losses"] == lora[(r["rate_mbit"], AFTER)]["losses"]
+    assert (DOCS / "bench_overlap_runahead_gantt.png").stat().st_size > 10_000
