@@ -107,13 +107,15 @@ _SHARED_INTERNALS = {
 }
 
 
-def ipg_bucket(optimizer: Any, param: torch.nn.Parameter) -> Any:
-    """Stage 3's bucket that ``param``'s gradient went into (``elements``, ``params``): DeepSpeed 0.19's per-dtype
-    ``ipg_buckets``; ``None`` on older releases (one bucket in loose attributes: left to DeepSpeed's rule)."""
+def ipg_bucket(optimizer: Any, param: torch.nn.Parameter) -> tuple[Optional[torch.dtype], Any]:
+    """``(comm dtype, bucket)``: stage 3's bucket that ``param``'s gradient went into (``elements``, ``params``) and its
+    key, DeepSpeed 0.19's per-dtype ``ipg_buckets``; ``(None, None)`` on older releases (one bucket in loose
+    attributes: left to DeepSpeed's rule)."""
     buckets = getattr(optimizer, "ipg_buckets", None)
     if not isinstance(buckets, dict) or not hasattr(optimizer, "get_param_comm_dtype"):
-        return None
-    return buckets.get(optimizer.get_param_comm_dtype(param))
+        return None, None
+    comm_dtype = optimizer.get_param_comm_dtype(param)
+    return comm_dtype, buckets.get(comm_dtype)
 
 
 def missing_internals() -> list[str]:

@@ -6,7 +6,7 @@ the inter-node stages in flight are delivered in FIFO order ([Note: the inter-no
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -64,6 +64,16 @@ def bucket_cap(setting: object, trainable_numel: int, deepspeed_value: int) -> i
     return min(deepspeed_value, int(setting))
 
 
+def _reduce_first_bucket_early(optimizer: Any, param: torch.nn.Parameter) -> None:
+    """After each gradient enters DeepSpeed's bucket: reduce the window's first bucket once it is due ([Note: the first
+    bucket leaves early] in ``grads/staging.py``). Per gradient, so the bucket is looked up only while it is open."""
+    reducer = optimizer.fcdp_grads
+    if reducer is not None and reducer.first_bucket_open():
+        comm_dtype, bucket = ds_compat.ipg_bucket(optimizer, param)
+        if reducer.first_bucket_due(bucket, optimizer.reduce_bucket_size):
+            getattr(optimizer, REDUCE_IPG)(comm_dtype)
+
+
 class GradSteps:
     """The gradient path's overrides of ``DeepSpeedZeroOptimizer_Stage3`` (see the module docstring)."""
 
@@ -110,9 +120,7 @@ class GradSteps:
 
     def reduce_independent_p_g_buckets_and_remove_grads(self, param) -> None:
         super().reduce_independent_p_g_buckets_and_remove_grads(param)
-        if self.fcdp_grads is not None and self.fcdp_grads.first_bucket_due(ds_compat.ipg_bucket(self, param),
-                                                                            self.reduce_bucket_size):
-            getattr(self, REDUCE_IPG)(self.get_param_comm_dtype(param))  # [Note: the first bucket leaves early]
+        _reduce_first_bucket_early(self, param)
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
         # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]

@@ -54,6 +54,12 @@ class StagedDelivery:
         """Whether stages are left in flight (``fcdp.grad_inflight_buckets`` > 0) and delivered by the queue."""
         return self.queue.depth > 0
 
+    def first_bucket_open(self) -> bool:
+        """Whether the window's first delivering bucket is still being filled ([Note: the first bucket leaves early]):
+        stages deferred, none issued yet, and this micro-step's sums cross the nodes."""
+        return self.deferring and not len(self.queue) and not len(self.node_stages) and \
+            not (self.node_accumulation and not self.is_boundary())
+
     def first_bucket_due(self, bucket: Any, bucket_size: int) -> bool:
         """Whether DeepSpeed's ``bucket`` (``ds_compat.ipg_bucket``; ``None``: not known) should be reduced now.
 
@@ -68,10 +74,7 @@ class StagedDelivery:
         Not in a micro-step whose sums go into the node buffer (nothing crosses then), and not with DeepSpeed
         releases before 0.19 (``ds_compat.ipg_bucket``: their buckets keep DeepSpeed's rule)."""
         elements = bucket.elements if bucket is not None and bucket.params else 0
-        if not self.deferring or len(self.queue) or len(self.node_stages) or not elements or \
-                elements * FIRST_BUCKET_SHARE < bucket_size:
-            return False
-        if self.node_accumulation and not self.is_boundary():
+        if not self.first_bucket_open() or not elements or elements * FIRST_BUCKET_SHARE < bucket_size:
             return False
         self.counters.bump(first_early=1)
         return True
