@@ -54,6 +54,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -82,6 +83,15 @@ def _push_delay() -> float:
 
 
 @dataclass
+class Start(Enum):
+    """Where a plan made at the step's end is issued."""
+
+    #: At the window's first two-stage gather ([Note: from the window's first fetch]): the default run-ahead.
+    FIRST_FETCH = "first_fetch"
+    #: At the step's end: the push (``param_push_bytes``, opt-in).
+    STEP_END = "step_end"
+
+
 class RunAheadCounters(EventCounters):
     pushed: int = 0
     """Groups whose stage 1 was issued at a step's end (the push) or at the window's first fetch."""
@@ -124,10 +134,8 @@ class RunAhead:
     #: The planned groups the budget held back at the push, by key in plan order: issued as fetches take pending
     #: ones (a dict: a fetch drops its own key in O(1), and a group planned twice is issued once).
     planned: dict = field(default_factory=dict)
-    #: ``"first_fetch"``: the plan waits for the window's first two-stage gather ([Note: from the window's first
-    #: fetch]); ``"step_end"``: the push issues at the step's end.
-    start: str = "step_end"
-    #: A plan made at the step's end waits for the window's first gather (``start == "first_fetch"``).
+    start: Start = Start.STEP_END
+    #: A plan made at the step's end waits for the window's first gather (``start`` is ``Start.FIRST_FETCH``).
     armed: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
@@ -179,7 +187,7 @@ class RunAhead:
             self.planned = {}
             for params in self.plan(trace):
                 self.planned.setdefault(tuple(p.ds_id for p in params), params)
-            self.armed = self.start == "first_fetch"
+            self.armed = self.start is Start.FIRST_FETCH
         if not self.armed:
             self._issue(rolled=False)
 
@@ -252,8 +260,8 @@ def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock
     ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
     if gather is None or gather.queue is None or gather.compression is not None:
         return None
-    budget, start = (config.param_push_bytes, "step_end") if config.param_push_bytes else \
-        (config.param_runahead_bytes, "first_fetch")
+    budget, start = (config.param_push_bytes, Start.STEP_END) if config.param_push_bytes else \
+        (config.param_runahead_bytes, Start.FIRST_FETCH)
     if not budget:
         return None
     gather.runahead = RunAhead(gather, budget, clock, batcher=batcher, start=start)

@@ -105,6 +105,12 @@ class BenchSpec:
     timeout_s: float = 900
     before_src: str = ""
     """The source tree (its ``fcdp_deepspeed`` package) that ``ENGINE@before`` engines run from."""
+    sample_links: bool = False
+    """Sample the uplinks' counters every millisecond at shaped rates ([Note: link samples] in ``harness/links.py``):
+    each shaped row gets ``links_last_step``, what the links did in the traced step."""
+
+    #: Fields only the driver reads: never sent to another checkout's ``rank_main`` (``ENGINE@before``).
+    DRIVER_ONLY = ("before_src", "sample_links")
 
     def layout_list(self) -> list[tuple[int, int]]:
         return [tuple(int(x) for x in lay.split("x")) for lay in self.layouts] or [(self.nodes, self.ranks_per_node)]
@@ -334,6 +340,38 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return add_step_floor(rows, _job_key)
 
 
+def _sampler(cluster: Any, on: bool) -> Any:
+    """A :class:`~fcdp_deepspeed.tools.harness.links.LinkSampler` on ``cluster`` when ``on``, else nothing."""
+    from contextlib import nullcontext
+
+    from fcdp_deepspeed.tools.harness.links import LinkSampler
+    return LinkSampler(cluster) if on else nullcontext()
+
+
+def _links_of(samples: list, record: dict, rate: float) -> Optional[dict]:
+    """What the uplinks did in ``record``'s traced step ([Note: link samples])."""
+    from fcdp_deepspeed.tools.harness.links import link_use, step_window
+    window = step_window(record.get("trace_last_step") or [])
+    return None if window is None else link_use(samples, *window, rate)
+
+
+def links_markdown(rows: list[dict]) -> str:
+    """One line per row with link samples: the traced step against its busiest uplink's floor."""
+    lines = ["| bandwidth | layout | job | GA | engine | traced step (s) | busiest uplink | its bytes at the rate (s) | "
+             "busy share | its idle (s) | idle spans (s from the step's start) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        use = r.get("links_last_step")
+        if not use:
+            continue
+        node, way = use["busiest"].split()[1:]
+        spans = use["nodes"][int(node)][way]["idle_spans"]
+        lines.append(f"| {_rate_label(r['rate_mbit'])} | {_layout(r)} | {r['job']} | {r.get('grad_accum', 1)} | "
+                     f"{r['engine']} | {use['step_s']:.3f} | {use['busiest']} | {use['floor_s']:.3f} | "
+                     f"{use['busiest_utilisation']:.2f} | {use['busiest_idle_s']:.3f} | "
+                     f"{', '.join(f'{a:.3f}-{b:.3f}' for a, b in spans) or '-'} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dict]:
     from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster
     from fcdp_deepspeed.tools.harness.launch import run_local
@@ -355,11 +393,14 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
             one = asdict(spec) | {"engines": [base], "grad_accum": ga, "nodes": nodes, "ranks_per_node": per_node,
                                   "layouts": []}
             if before:  # the other checkout's rank_main takes the fields it knows
-                one = {k: v for k, v in one.items() if k != "before_src"}
-            with EmulatedCluster(nodes, rate_mbit=rate or None, tag="b") as cluster:
+                one = {k: v for k, v in one.items() if k not in BenchSpec.DRIVER_ONLY}
+            with EmulatedCluster(nodes, rate_mbit=rate or None, tag="b") as cluster, \
+                    _sampler(cluster, spec.sample_links and bool(rate)) as sampler:
                 record = run_local("fcdp_deepspeed.tools.bench.bench:rank_main", nodes * per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster,
                                    pythonpath=[spec.before_src] if before else [])[0][0]
+            if sampler is not None:
+                record["links_last_step"] = _links_of(sampler.samples, record, rate)
             record["engine"] = engine
             runs.setdefault((nodes, per_node, rate, job, ga, engine), []).append(record)
             # Raw records as they arrive, so a long sweep cut short keeps what it measured.
@@ -448,7 +489,9 @@ def write_results(rows: list[dict], meta: dict, out_dir: Path) -> None:
         w.writeheader()
         w.writerows(rows)
     plot(rows, out_dir / "bench.png")
-    (out_dir / "bench.md").write_text(markdown_table(rows) + ("\n" + targets_markdown(found) if found else ""))
+    links = links_markdown(rows)
+    (out_dir / "bench.md").write_text(markdown_table(rows) + ("\n" + targets_markdown(found) if found else "") +
+                                      ("\n" + links if links else ""))
 
 
 def _rate_label(rate: float) -> str:
@@ -601,6 +644,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "the targets on all of them (OUT/targets.json, OUT/targets.md)")
     ap.add_argument("--out", default="results/bench", help="output directory")
     ap.add_argument("--no-progress", action="store_true", help="no progress lines")
+    ap.add_argument("--sample-links", action="store_true", help="sample every uplink's kernel counters each "
+                    "millisecond at shaped rates: the traced step's busiest uplink, its busy share and idle spans "
+                    "(bench.json links_last_step, bench.md); costs the driver about 6%% of a core")
     args = ap.parse_args(argv)
     # [Note: one JIT build dir per venv] as tests/conftest.py: the shared ~/.cache/torch_extensions is rebuilt by
     # every venv whose paths differ, and a killed build's lock makes every rank wait at init_distributed.
@@ -617,7 +663,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                      lora_rank=args.lora_rank, micro_batch=args.micro_batch, grad_accums=args.grad_accum,
                      warmup=args.warmup, steps=args.steps, repeats=args.repeats, regime=args.regime,
                      param_gather=args.param_gather, fcdp_extra=_extra(ap, args.fcdp_extra),
-                     before_src=str(Path(args.before_src).resolve()) if args.before_src else "")
+                     before_src=str(Path(args.before_src).resolve()) if args.before_src else "",
+                     sample_links=args.sample_links)
     from fcdp_deepspeed.tools.harness.cluster import ClusterUnavailable
     try:
         if args.preset:
@@ -630,6 +677,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fcdp bench needs network namespaces: {err}")
         return 2
     print(markdown_table(rows))
+    print(links_markdown(rows))
     print(f"results: {args.out}/bench.json, bench.csv, bench.png, bench.md")
     return 0
 
