@@ -82,7 +82,6 @@ def _push_delay() -> float:
     return faults.rank_delay(DELAY_ENV, dist.get_rank())
 
 
-@dataclass
 class Start(Enum):
     """Where a plan made at the step's end is issued."""
 
@@ -92,6 +91,7 @@ class Start(Enum):
     STEP_END = "step_end"
 
 
+@dataclass
 class RunAheadCounters(EventCounters):
     pushed: int = 0
     """Groups whose stage 1 was issued at a step's end (the push) or at the window's first fetch."""

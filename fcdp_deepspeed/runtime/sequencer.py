@@ -50,8 +50,11 @@ def gather_broken(what: str) -> bool:
 
 
 def stage1_delay() -> None:
-    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1."""
-    time.sleep(faults.rank_delay(DELAY_ENV, dist.get_rank()))
+    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1 (never ``sleep(0)``: [Note: no
+    sleep(0) on a hot path] in ``grads/inflight.py``)."""
+    delay = faults.rank_delay(DELAY_ENV, dist.get_rank())
+    if delay:
+        time.sleep(delay)
 
 
 @dataclass(eq=False)
