@@ -137,3 +137,63 @@ def test_the_runahead_verdicts_follow_from_their_numbers():
     for r in lora.values():  # the defaults' run-ahead, without it and the push: the same losses
         assert r["losses"] == lora[(r["rate_mbit"], AFTER)]["losses"]
     assert (DOCS / "bench_overlap_runahead_gantt.png").stat().st_size > 10_000
+
+
+RERUNS = ("bench_overlap_rerun_ga1_results.json", "bench_overlap_rerun_prefetch_results.json",
+          "bench_overlap_rerun_ga4_results.json")
+
+
+@pytest.mark.parametrize("name", (*RERUNS, "bench_overlap_rerun_lora10_results.json",
+                                  "bench_overlap_rerun_layouts_results.json", "bench_overlap_links_ga1_results.json"))
+def test_the_reruns_change_no_value_and_no_byte(name):
+    """The quiet-machine reruns (session 2026-12-04f, 3 repeats) and the sampled run: every exact engine of a run has
+    the same losses bit for bit and the same counted bytes as ``fcdp_node`` (per layout and network)."""
+    by = {(r["layout"], r["rate_mbit"], r["engine"]): r for r in _rows(name)}
+    for (layout, rate, engine), r in by.items():
+        if engine.startswith("fcdp_int"):
+            continue
+        ref = by[(layout, rate, "fcdp_node")]
+        if engine != "zero3":  # ZeRO-3 moves three times the bytes (and its own losses: summation order)
+            assert r["counted_inter_node_bytes_per_step"] == pytest.approx(
+                ref["counted_inter_node_bytes_per_step"], rel=0.01), (layout, rate, engine)
+            assert r["losses"] == ref["losses"], (layout, rate, engine)
+        assert r["repeats"] == (1 if "layouts" in name else 2 if "links" in name else 3)
+
+
+def test_the_reruns_are_quoted_and_their_verdicts_follow_from_their_numbers():
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    for name in (*RERUNS, "bench_overlap_links_ga1_results.json"):
+        assert timeline_plot.markdown(_rows(name), 100) in text, name
+    g1, pf, g4 = (_by(n) for n in RERUNS)
+    lora = _by("bench_overlap_rerun_lora10_results.json")
+    codec = g1[(0, "fcdp_int4")]["step_time_s"] / g1[(0, AFTER)]["step_time_s"]
+    for label, ratio, target in (("exact defaults, GA 1", g1[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("exact defaults, GA 1, prefetch 5e7", pf[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("exact defaults, GA 4", g4[(100, AFTER)]["step_vs_floor"], 1.15),
+                                 ("int4/int4 compute vs exact, GA 1", codec, 1.25),
+                                 ("int4/int4 step vs its limit, GA 1", g1[(100, "fcdp_int4")]["step_vs_floor"], 1.2),
+                                 ("LoRA at 10 Mbit/s, defaults", lora[(10, AFTER)]["step_vs_floor"], 1.1)):
+        assert f"| {label} (rerun) | {ratio:.2f}x | {'met' if ratio <= target else 'missed'} |" in text, label
+    fcdp, zero3 = pf[(100, AFTER)]["step_vs_floor"], pf[(100, "zero3")]["step_vs_floor"]
+    assert (f"| prefetch 5e7: FCDP's ratio not above plain ZeRO-3's (rerun) | {fcdp:.2f}x vs {zero3:.2f}x | "
+            f"{'met' if fcdp <= zero3 else 'missed'} |") in text
+    for name in ("bench_overlap_rerun_layouts_results.json", "bench_overlap_rerun_lora10_results.json"):
+        for r in _rows(name):
+            if r.get("step_vs_floor"):
+                assert (f"| {r['layout']} | {r['job']} | {r['engine']} | {r['step_time_s']:.3f} | {r['compute_s']:.3f} | "
+                        f"{r['wire_s']:.3f} | {r['step_vs_floor']:.2f}x |") in text
+
+
+def test_the_sampled_links_agree_with_the_kernel_counts_and_are_quoted():
+    """``--sample-links`` ([Note: link samples]): every shaped row of the sampled run has the traced step's link use;
+    its busiest uplink's frames at the rate are the bench's own per-step frame count within 1% (exact GA 1: every
+    step moves the same bytes), the idle never exceeds the step minus that floor, and BENCHMARKS.md quotes the
+    table ``bench.md`` printed."""
+    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    rows = [r for r in _rows("bench_overlap_links_ga1_results.json") if r["rate_mbit"] == 100]
+    assert len(rows) == 5
+    for r in rows:
+        use = r["links_last_step"]
+        assert use["floor_s"] == pytest.approx(r["wire_frames_s"], rel=0.01), r["engine"]
+        assert use["busiest_idle_s"] <= use["step_s"] - use["floor_s"] + 0.005, r["engine"]
+    assert links_markdown(_rows("bench_overlap_links_ga1_results.json")) in (DOCS / "BENCHMARKS.md").read_text()
