@@ -82,3 +82,13 @@ def test_from_the_first_fetch_bit_identical_and_nothing_crosses_for_nothing(resu
 def test_from_the_first_fetch_reading_before_complete_changes_values(results):
     """Rank 2 is late into each window (its step's end sleeps): a stage 2 that does not wait reads its slot early."""
     assert any(r["window_read_early"]["losses"] != r["plain"]["losses"] for r in results)
+
+
+def test_a_one_group_plan_runs_nothing_ahead():
+    """LoRA: the plan is the batched refill of every adapter, the first fetch's own group, so nothing is issued ahead
+    ([Note: one group runs nothing ahead]): the refill still batches, and the values are ZeRO-3's."""
+    for r in run_ranks("runahead:lora", 4):
+        assert r["fcdp"]["losses"] == r["plain"]["losses"]
+        assert torch.equal(r["fcdp"]["out"], r["plain"]["out"])
+        steady = r["fcdp"]["steady"]  # after the first two windows: every plan is the batched refill alone
+        assert steady["param_push_groups"] == 0 and steady["batched_refills"] == 3, steady

@@ -63,6 +63,23 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
     return out
 
 
+def lora(steps: int = 3) -> dict:
+    """A LoRA model (adapters trainable, the rest frozen): the run-ahead's plan is the batched refill alone, one group
+    ([Note: one group runs nothing ahead]); plain ZeRO-3 and FCDP with the default run-ahead."""
+    setup()
+    out = {}
+    for name, fcdp in (("plain", False), ("fcdp", True)):
+        cfg = toy.ds_config(fcdp_block(param_runahead_bytes=2**30) if fcdp else None, regime="large")
+        engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3, lora_rank=2)
+        losses = toy.train(engine, 2, hidden=HIDDEN).losses  # the first windows' plans come from per-module misses
+        before = fcdp_deepspeed.get_stats(engine) if fcdp else {}
+        losses += toy.train(engine, steps, hidden=HIDDEN, seed=1).losses  # each plan: the batched refill alone
+        after = fcdp_deepspeed.get_stats(engine) if fcdp else {}
+        out[name] = {"losses": losses, "out": forward(engine, HIDDEN),
+                     "steady": {k: after[k] - before[k] for k in ("param_push_groups", "batched_refills")} if fcdp else {}}
+    return out
+
+
 def prefetch(steps: int = 4) -> dict:
     """DeepSpeed's default prefetch (one coalesced fetch for the rest of the forward once the trace is complete,
     none before): plain ZeRO-3 and FCDP with the run-ahead; the pushes of the window without prefetch must be used
