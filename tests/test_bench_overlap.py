@@ -151,8 +151,14 @@ RERUNS = ("bench_overlap_rerun_ga1_results.json", "bench_overlap_rerun_prefetch_
           "bench_overlap_rerun_ga4_results.json")
 
 
-@pytest.mark.parametrize("name", (*RERUNS, "bench_overlap_rerun_lora10_results.json",
-                                  "bench_overlap_rerun_layouts_results.json", "bench_overlap_links_ga1_results.json"))
+#: Session 2026-12-04f's runs and their repeats.
+SESSION_F_RUNS = {**dict.fromkeys(RERUNS, 3), "bench_overlap_rerun_lora10_results.json": 3,
+                  "bench_overlap_rerun_layouts_results.json": 1, "bench_overlap_links_ga1_results.json": 2,
+                  "bench_overlap_links_ga4_results.json": 2, "bench_overlap_links_lora10_results.json": 5,
+                  "bench_overlap_onegroup_lora10_results.json": 3}
+
+
+@pytest.mark.parametrize("name", SESSION_F_RUNS)
 def test_the_reruns_change_no_value_and_no_byte(name):
     """The quiet-machine reruns (session 2026-12-04f, 3 repeats) and the sampled run: every exact engine of a run has
     the same losses bit for bit and the same counted bytes as ``fcdp_node`` (per layout and network)."""
@@ -165,7 +171,7 @@ def test_the_reruns_change_no_value_and_no_byte(name):
             assert r["counted_inter_node_bytes_per_step"] == pytest.approx(
                 ref["counted_inter_node_bytes_per_step"], rel=0.01), (layout, rate, engine)
             assert r["losses"] == ref["losses"], (layout, rate, engine)
-        assert r["repeats"] == (1 if "layouts" in name else 2 if "links" in name else 3)
+        assert r["repeats"] == SESSION_F_RUNS[name]
 
 
 def test_the_reruns_are_quoted_and_their_verdicts_follow_from_their_numbers():
@@ -198,3 +204,16 @@ def test_the_sampled_links_agree_with_the_kernel_counts_and_are_quoted():
         assert use["floor_s"] == pytest.approx(r["wire_frames_s"], rel=0.01), r["engine"]
         assert use["busiest_idle_s"] <= use["step_s"] - use["floor_s"] + 0.005, r["engine"]
     assert links_markdown(_rows("bench_overlap_links_ga1_results.json")) in (DOCS / "BENCHMARKS.md").read_text()
+
+
+def test_one_group_runs_nothing_ahead_in_the_committed_lora_run_and_is_quoted():
+    """[Note: one group runs nothing ahead]: in the committed LoRA run the new tree waits on no run-ahead (push wait
+    0) where the tree before it did, with the same losses; BENCHMARKS.md quotes the sampled GA 4 and LoRA runs."""
+    by = _by("bench_overlap_onegroup_lora10_results.json")
+    assert by[(10, AFTER)]["timeline_s"]["push_wait"] == 0 < by[(10, BEFORE)]["timeline_s"]["push_wait"]
+    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    for name, rate in (("bench_overlap_links_ga4_results.json", 100), ("bench_overlap_links_lora10_results.json", 10),
+                       ("bench_overlap_onegroup_lora10_results.json", 10)):
+        assert timeline_plot.markdown(_rows(name), rate) in text, name
+        assert links_markdown(_rows(name)) in text, name
