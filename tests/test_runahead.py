@@ -84,10 +84,10 @@ def test_from_the_first_fetch_reading_before_complete_changes_values(results):
     assert any(r["window_read_early"]["losses"] != r["plain"]["losses"] for r in results)
 
 
-def test_a_one_group_plan_runs_nothing_ahead():
+def test_a_one_group_plan_runs_nothing_ahead(results):
     """LoRA: the plan is the batched refill of every adapter, the first fetch's own group, so nothing is issued ahead
     ([Note: one group runs nothing ahead]): the refill still batches, and the values are ZeRO-3's."""
-    for r in run_ranks("runahead:lora", 4):
+    for r in (run["lora"] for run in results):
         assert r["fcdp"]["losses"] == r["plain"]["losses"]
         assert torch.equal(r["fcdp"]["out"], r["plain"]["out"])
         steady = r["fcdp"]["steady"]  # after the first two windows: every plan is the batched refill alone

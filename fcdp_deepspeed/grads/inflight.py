@@ -36,7 +36,6 @@ each collective on its group's stream: reading its output before ``wait()`` is a
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -62,14 +61,8 @@ def grads_broken(what: str) -> bool:
 
 
 def issue_delay() -> None:
-    """Test-only skew (``FCDP_GRAD_ISSUE_DELAY``): sleep before this rank issues an inter-node stage.
-
-    [Note: no sleep(0) on a hot path] ``time.sleep(0)`` is not free: it releases the GIL, and with any other Python
-    thread runnable (a data loader's, the cache's) the caller waits up to a switch interval (5 ms) to get it back.
-    Profiled on the bench (4 ranks on 2 cores), these calls on every stage's issue cost 0.3-1 ms each."""
-    delay = faults.rank_delay(DELAY_ENV, dist.get_rank())
-    if delay:
-        time.sleep(delay)
+    """Test-only skew (``FCDP_GRAD_ISSUE_DELAY``): sleep before this rank issues an inter-node stage."""
+    faults.rank_skew(DELAY_ENV, dist.get_rank())
 
 
 @dataclass(eq=False)

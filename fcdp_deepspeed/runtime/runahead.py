@@ -58,7 +58,6 @@ With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its refe
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
@@ -82,10 +81,6 @@ BREAKS = ("read_early", "skip_invalidation")
 def push_broken(what: str) -> bool:
     """Whether ``FCDP_BREAK_PUSH`` names ``what`` (test-only; read at every call)."""
     return faults.named_broken(BREAK_ENV, BREAKS, what)
-
-
-def _push_delay() -> float:
-    return faults.rank_delay(DELAY_ENV, dist.get_rank())
 
 
 class Start(Enum):
@@ -186,9 +181,7 @@ class RunAhead:
         self.cancel(None, unused=True)
         with self._lock:
             trace, self.trace = self.trace, []
-        delay = _push_delay()
-        if delay:
-            time.sleep(delay)  # test-only skew (FCDP_PUSH_DELAY)
+        faults.rank_skew(DELAY_ENV, dist.get_rank())  # test-only skew (FCDP_PUSH_DELAY)
         with self._lock:
             self.planned = {}
             for params in self.plan(trace):

@@ -24,7 +24,6 @@ after it, stream-ordered without a host wait ([Note: streams] in ``gather.py``).
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -50,11 +49,8 @@ def gather_broken(what: str) -> bool:
 
 
 def stage1_delay() -> None:
-    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1 (never ``sleep(0)``: [Note: no
-    sleep(0) on a hot path] in ``grads/inflight.py``)."""
-    delay = faults.rank_delay(DELAY_ENV, dist.get_rank())
-    if delay:
-        time.sleep(delay)
+    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1."""
+    faults.rank_skew(DELAY_ENV, dist.get_rank())
 
 
 @dataclass(eq=False)

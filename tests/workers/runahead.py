@@ -60,6 +60,7 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
         os.environ[runahead.BREAK_ENV] = broken
         out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
         os.environ[runahead.BREAK_ENV] = ""
+    out["lora"] = lora()  # in the same ranks: the LoRA test needs no process group of its own
     return out
 
 

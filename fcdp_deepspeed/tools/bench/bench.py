@@ -340,11 +340,17 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return add_step_floor(rows, _job_key)
 
 
-# [Note: LOCAL_SIZE as the launcher sets it] DeepSpeed's launcher (``launcher/launch.py``) sets ``LOCAL_SIZE`` to the
-# ranks per node, and DeepSpeed's CPU accelerator answers ``device_count()`` from it; without it, each call runs
-# ``numactl`` in a subprocess, and ZeRO-3 calls it once per gradient bucket (``__avg_scatter_grads``): about 1.5 ms
-# per bucket on rank 0 here, ten buckets a step at FCDP's default bucket size, one for ZeRO-3's (profiled, session
-# 2026-12-04f). The bench's ranks get what the launcher gives a job. On an accelerator ``device_count`` is cheap.
+def _launcher_env(ranks_per_node: int) -> dict[str, str]:
+    """What DeepSpeed's launcher puts in every rank's environment that the bench's ranks need.
+
+    [Note: LOCAL_SIZE as the launcher sets it] DeepSpeed's launcher (``launcher/launch.py``) sets ``LOCAL_SIZE`` to the
+    ranks per node, and DeepSpeed's CPU accelerator answers ``device_count()`` from it; without it, each call runs
+    ``numactl`` in a subprocess, and ZeRO-3 calls it once per gradient bucket (``__avg_scatter_grads``): about 1.5 ms
+    per bucket on rank 0 here, ten buckets a step at FCDP's default bucket size, one for ZeRO-3's (profiled, session
+    2026-12-04f). On an accelerator ``device_count`` is cheap."""
+    return {"LOCAL_SIZE": str(ranks_per_node)}
+
+
 def _sampler(cluster: Any, on: bool) -> Any:
     """A :class:`~fcdp_deepspeed.tools.harness.links.LinkSampler` on ``cluster`` when ``on``, else nothing."""
     from contextlib import nullcontext
@@ -403,7 +409,7 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
                     _sampler(cluster, spec.sample_links and bool(rate)) as sampler:
                 record = run_local("fcdp_deepspeed.tools.bench.bench:rank_main", nodes * per_node,
                                    {"spec": one, "job": job}, timeout=spec.timeout_s, cluster=cluster,
-                                   env={"LOCAL_SIZE": str(per_node)},  # [Note: LOCAL_SIZE as the launcher sets it]
+                                   env=_launcher_env(per_node),
                                    pythonpath=[spec.before_src] if before else [])[0][0]
             if sampler is not None:
                 record["links_last_step"] = _links_of(sampler.samples, record, rate)
