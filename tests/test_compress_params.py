@@ -297,7 +297,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("nodes,me", [(2, 1), (3, 0)])
-def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s_bits(monkeypatch, dtype, name, nodes, me):
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s_bits(monkeypatch, dtype, name, nodes, me,
+                                                                                     in_flight):
     """[Note: the vectorised stage 1] in compress/params.py: one delta, one encode, one decode of all N messages and one
     reconstruction for a gather give the message, every reconstruction, every new reference and the drift of the
     per-parameter loop before it (``tests/codec_reference.py``), bit for bit: host references sharing a pool chunk (one
@@ -348,7 +350,12 @@ def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s
     monkeypatch.setattr(compress_params.dist, "allgather_fn", allgather)
     monkeypatch.setattr(pc.drift, "add", lambda e, n: seen.update(drift=(e, n)))
     bundle = rows.view(-1)
-    pc._stage1(params, bundle, part, None)
+    if in_flight:  # [Note: the compressed stage 1 in flight]: encoded at issue, decoded at the wait
+        stage = pc.start(params, bundle, rows[me], part, None, lossy=True, async_op=True)
+        assert "drift" not in seen
+        stage.wait()
+    else:
+        pc.stage1(params, bundle, part, None)
     assert torch.equal(seen["own"][:own.numel()], own) and not seen["own"][own.numel():].any()
     assert torch.equal(_bits(rows), _bits(old_rows))
     for p, want in zip(params, new_refs):

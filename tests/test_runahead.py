@@ -92,3 +92,30 @@ def test_a_one_group_plan_runs_nothing_ahead(results):
         assert torch.equal(r["fcdp"]["out"], r["plain"]["out"])
         steady = r["fcdp"]["steady"]  # after the first two windows: every plan is the batched refill alone
         assert steady["param_push_groups"] == 0 and steady["batched_refills"] == 3, steady
+
+
+def test_compressed_groups_run_ahead_with_the_bits_of_their_own_fetch(results):
+    """``fcdp.param_compression`` int4 ([Note: compressed groups run ahead]): from the window's first fetch and pushed
+    from the step's end, compressed groups are issued ahead and used, and every loss and output is bitwise that of
+    the same job without the run-ahead (each group is encoded against the same references, decoded at its fetch's
+    wait). The groups pushed at the step's end that hold the two weights the read-only ``GatheredParameters`` gathered
+    together are dropped (that gather rewrote their references)."""
+    for r in (run["compressed"] for run in results):
+        for name, off in (("window", "off"), ("push", "off"), ("push_uncached", "off_uncached")):
+            assert r[name]["losses"] == r[off]["losses"], name
+            assert torch.equal(r[name]["out"], r[off]["out"]), name
+            s = r[name]["stats"]
+            assert s["param_push_used"] > 0 and s["param_compressed_gathers"] == r[off]["stats"]["param_compressed_gathers"], s
+            assert r[off]["stats"]["param_compressed_gathers"] > 0 and "param_push_groups" not in r[off]["stats"]
+        assert r["push_uncached"]["stats"]["param_push_cancelled"] >= 2, r["push_uncached"]["stats"]
+
+
+def test_compressed_run_ahead_broken_variants_change_values(results):
+    """A pending compressed group kept across the gather that rewrote its references decodes against the new reference
+    (``stale_reference``); a stage 2 that does not wait for the compressed stage 1 reads an undecoded bundle
+    (``read_early``, rank 2 late): both change the values."""
+    runs = [run["compressed"] for run in results]
+    for r in runs:
+        assert r["push_uncached_stale"]["losses"][:3] == r["off_uncached"]["losses"][:3]  # before the read-only gather
+        assert r["push_uncached_stale"]["losses"][3] != r["off_uncached"]["losses"][3]
+    assert any(r["window_read_early"]["losses"] != r["off"]["losses"] for r in runs)

@@ -117,22 +117,33 @@ class ParamCompression:
     #: ([Note: exact gathers] in ``evaluation.py``).
     exact_only: bool = False
 
-    def split(self, params: Sequence[torch.nn.Parameter]) -> tuple[list, list]:
+    def split(self, params: Sequence[torch.nn.Parameter], count: bool = True) -> tuple[list, list]:
         """``(exact, compressed)``: compressed where the reference is valid (agreed: see [Note: references]);
-        an exact parameter with a reference slot is counted under why its reference was empty."""
+        an exact parameter with a reference slot is counted under why its reference was empty (not when ``count``
+        is false: the run-ahead's planning, ``runtime/runahead.py``)."""
         exact, compressed = [], []
         for p in params:
             ref = self.store.get(p)
             if ref is not None and self.exact_only:
                 exact.append(p)
-                self.counters.exact("exact_gathers")
+                if count:
+                    self.counters.exact("exact_gathers")
             elif ref is not None and self.store.usable(ref):
                 compressed.append(p)
             else:
                 exact.append(p)
-                if ref is not None:
+                if ref is not None and count:
                     self.counters.exact(ref.why)
         return exact, compressed
+
+    def issued(self, params: Sequence[torch.nn.Parameter], lossy: bool) -> None:
+        """A fetch issued the two-stage gather of ``params``, compressed or not: :meth:`lossy` says so from now on,
+        though a compressed one decodes only when its fetch waits ([Note: the compressed stage 1 in flight]; the
+        fetch's verify sampling asks at issue)."""
+        for p in params:
+            ref = self.store.get(p)
+            if ref is not None:
+                ref.lossy = lossy
 
     def lossy(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s last two-stage gather was compressed (its gathered value is a reconstruction)."""
@@ -164,59 +175,42 @@ class ParamCompression:
         """The N peers' messages in the gathered buffer, ``(N, wire)``, in peer order."""
         return packed.view(nodes, stride).narrow(1, 0, wire)
 
+    def start(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, group: Any, *, lossy: bool,
+              async_op: bool, clock: Optional[timeline.PhaseClock] = None) -> "StageOne":
+        """Issue stage 1 of ``params`` (one dtype) into ``bundle`` while compression is on: compressed (``lossy``:
+        every parameter has a valid reference) or exact (its bytes counted as ``param_exact``, the references seeded
+        when it completes). Returns the :class:`StageOne` whose ``wait`` completes it.
+
+        [Note: the compressed stage 1 in flight] On gloo (``async_op``) the encode runs here, at the fetch's issue, and
+        the all-gather among the peers is asynchronous; the decode, the reference writes and the drift run in
+        ``wait``, which the gather's queue calls before it issues stage 2 (``runtime/sequencer.py``): the host does not
+        wait for the slow hop at issue, as for an exact stage 1 ([Note: stage 1 does not block the host]). A
+        reference is read at issue and written at completion; nothing reads or writes it in between (its parameter
+        is INFLIGHT, and the events that drop references come between steps, when no gather is in flight). With
+        streams (``async_op`` false) the all-gather is ordered on the gather stream and ``wait`` follows at once, as
+        before. Either way the same ops run on the same operands, so the bits are those of the synchronous stage 1."""
+        if not lossy:
+            with self.exact_stage():
+                work = dist.allgather_fn(bundle, mine, group=group, async_op=async_op)
+            return StageOne(self, params, bundle, part, work if async_op else None, clock)
+        with timeline.waiting(timeline.Phase.CODEC, clock):
+            state = _encode(self, params, bundle, part)
+        packed, mine_packed = state.packed, state.mine
+        with LEDGER.tagged(PARAM_COMPRESSED):
+            if async_op:
+                work = dist.allgather_fn(packed, mine_packed, group=group, async_op=True)
+            else:
+                with timeline.waiting(timeline.fetch_phase()):
+                    dist.allgather_fn(packed, mine_packed, group=group, async_op=False)  # ordered on the stream
+                work = None
+        return StageOne(self, params, bundle, part, work, clock, state=state)
+
     def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
         """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
-        the gather stream (see [Note: the compressed stage 1]); timed as the codec's phase, its collective
-        as the fetch's (``timeline.py``)."""
-        with timeline.waiting(timeline.Phase.CODEC):
-            self._stage1(params, bundle, part, group)
-
-    def _stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
-        """[Note: the vectorised stage 1] A fixed number of whole-bundle ops, whatever the number of parameters: one
-        delta (two ``cat`` of per-parameter views, zero views for padding and the elements past a parameter's end),
-        one encode, one decode of all N messages, one add writing every reconstruction into the bundle, the drift's
-        norms in one ``_foreach_norm``, the references read and written in one batch. Each element is computed by the
-        same fp32 op on the same operands as the per-parameter loop was, so the bytes on the wire and every
-        reconstruction keep their bits (``tests/test_compress_params.py``)."""
-        codec, nodes, me = self.codec, self.nodes, self.peer_index
-        refs = [self.store.get(p) for p in params]
-        sizes = [p.ds_tensor.ds_numel for p in params]
-        valid = [max(0, min(n, p.ds_numel - self.dp_index * n)) for p, n in zip(params, sizes)]
-        pads = [padded(n, codec.block) for n in sizes]
-        offsets = _starts(sizes)
-        total = sum(pads)
-        rows = bundle.view(nodes, part)
-        on_accel = self.store.on_accel_many(refs)  # (N, p) per parameter
-        zero = rows.new_zeros(1)
-
-        def own(pieces: list) -> torch.Tensor:  # fp32: each parameter's valid elements, then zeros to its padded end
-            out = device.accel_empty(total, torch.float32)
-            return torch.cat([t for piece, n, pad in zip(pieces, valid, pads)
-                              for t in (piece.narrow(0, 0, n), zero.expand(pad - n))], out=out)
-        delta = own([rows[me].narrow(0, off, n) for off, n in zip(offsets, sizes)])
-        delta.sub_(own([r[me] for r in on_accel]))  # past the parameter's end: zero (DeepSpeed leaves it uninitialized)
-        wire = codec.wire_numel(total)
-        stride = padded(wire, ALIGN)
-        packed = device.accel_empty(nodes * stride, torch.uint8)
-        mine = packed.narrow(0, me * stride, stride)
-        mine.zero_()
-        mine.narrow(0, 0, wire).copy_(codec.encode(delta))
-        with LEDGER.tagged(PARAM_COMPRESSED), timeline.waiting(timeline.fetch_phase()):
-            dist.allgather_fn(packed, mine, group=group, async_op=False)  # ordered on the gather stream
-        decoded = codec.decode_rows(self.messages(packed, nodes, stride, wire), total)  # (N, total) fp32
-        if pads != sizes:  # drop each parameter's block padding: the bundle's layout
-            decoded = torch.cat([decoded.narrow(1, o, n) for o, n in zip(_starts(pads), sizes)], dim=1)
-        exact = rows[me].to(torch.float32, copy=True)  # before it is overwritten: the drift (a copy, also in fp32)
-        torch.add(torch.cat(on_accel, dim=1), decoded.narrow(1, 0, part), out=rows)  # fp32 sums, cast to the dtype
-        error = rows[me].float() - exact
-        errors = _norms([error.narrow(0, off, n) for off, n in zip(offsets, valid)])
-        norms = _norms([exact.narrow(0, off, n) for off, n in zip(offsets, valid)])
-        if faults.compression_broken("reconstruction"):  # test of the replica check: this rank's bundle is 1 ulp off
-            bits = {2: torch.int16, 4: torch.int32}[rows.element_size()]
-            rows.view(bits)[0, 0].bitwise_xor_(1)
-        self.store.write_many(refs, [rows[:, off:off + n] for off, n in zip(offsets, sizes)], lossy=True)
-        self.drift.add(torch.stack(errors), torch.stack(norms))
-        self.counters.bump(compressed_gathers=len(params))
+        the gather stream (see [Note: the compressed stage 1]), synchronously; timed as the codec's phase, its
+        collective as the fetch's (``timeline.py``)."""
+        rows = bundle.view(self.nodes, part)
+        self.start(params, bundle, rows[self.peer_index], part, group, lossy=True, async_op=False).wait()
 
     def collect_drift(self, group: Any) -> None:
         """Collective over ``group`` at the report cadence: the drift over every rank since the last report
@@ -249,3 +243,116 @@ class ParamCompression:
         for family in (PARAM_COMPRESSED, PARAM_EXACT):
             out[f"{INTER}_{family}_bytes"], out[f"{INTER}_{family}_calls"] = comm.get(family, INTER)
         return out
+
+
+@dataclass(eq=False)
+class StageOne:
+    """One stage 1 issued while compression is on ([Note: the compressed stage 1 in flight]): its collective's work
+    (``None`` when it completed at issue) and what completing it does (decode, or seed the references)."""
+
+    owner: ParamCompression
+    params: list
+    bundle: torch.Tensor
+    part: int
+    work: Any
+    clock: Optional[timeline.PhaseClock] = None
+    #: The compressed stage 1's message and what its decode needs (``None``: an exact stage 1, which seeds the
+    #: references when it completes, not inside ``exact_gathers``).
+    state: Optional["Encoded"] = None
+    done: bool = False
+
+    def wait(self) -> None:
+        """Complete it: the collective, then the decode into the bundle (or the seeding), once."""
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.work.wait()
+        if self.state is not None:
+            with timeline.waiting(timeline.Phase.CODEC, self.clock):
+                _decode(self.owner, self.params, self.bundle, self.part, self.state)
+            self.state = None
+        else:
+            self.owner.seed(self.params, self.bundle, self.part)
+
+    def discard(self) -> None:
+        """Complete the collective only (every peer issued it) and write nothing: an invalidation dropped it."""
+        if not self.done:
+            self.done, self.state = True, None
+            if self.work is not None:
+                self.work.wait()
+
+
+@dataclass(eq=False)
+class Encoded:
+    """One compressed stage 1 between its encode and its decode: the message buffer and what the decode needs."""
+
+    refs: list
+    sizes: list
+    valid: list
+    pads: list
+    offsets: list
+    total: int
+    #: Each parameter's reference, ``(N, p)`` on the accelerator, read at the encode.
+    on_accel: list
+    #: The N peers' messages (``N * stride`` bytes) and this rank's (its input to the all-gather).
+    packed: torch.Tensor
+    mine: torch.Tensor
+    stride: int
+    wire: int
+    #: The exact own partition in fp32, before the reconstruction overwrites it (the drift).
+    exact: torch.Tensor
+
+
+def _encode(pc: ParamCompression, params: list, bundle: torch.Tensor, part: int) -> Encoded:
+    """[Note: the vectorised stage 1] A fixed number of whole-bundle ops, whatever the number of parameters: one
+    delta (two ``cat`` of per-parameter views, zero views for padding and the elements past a parameter's end),
+    one encode, one decode of all N messages, one add writing every reconstruction into the bundle, the drift's
+    norms in one ``_foreach_norm``, the references read and written in one batch. Each element is computed by the
+    same fp32 op on the same operands as the per-parameter loop was, so the bytes on the wire and every
+    reconstruction keep their bits (``tests/test_compress_params.py``). This half: the delta and its message."""
+    codec, nodes, me = pc.codec, pc.nodes, pc.peer_index
+    refs = [pc.store.get(p) for p in params]
+    sizes = [p.ds_tensor.ds_numel for p in params]
+    valid = [max(0, min(n, p.ds_numel - pc.dp_index * n)) for p, n in zip(params, sizes)]
+    pads = [padded(n, codec.block) for n in sizes]
+    offsets = _starts(sizes)
+    total = sum(pads)
+    rows = bundle.view(nodes, part)
+    on_accel = pc.store.on_accel_many(refs)  # (N, p) per parameter
+    zero = rows.new_zeros(1)
+
+    def own(pieces: list) -> torch.Tensor:  # fp32: each parameter's valid elements, then zeros to its padded end
+        out = device.accel_empty(total, torch.float32)
+        return torch.cat([t for piece, n, pad in zip(pieces, valid, pads)
+                          for t in (piece.narrow(0, 0, n), zero.expand(pad - n))], out=out)
+    delta = own([rows[me].narrow(0, off, n) for off, n in zip(offsets, sizes)])
+    delta.sub_(own([r[me] for r in on_accel]))  # past the parameter's end: zero (DeepSpeed leaves it uninitialized)
+    wire = codec.wire_numel(total)
+    stride = padded(wire, ALIGN)
+    packed = device.accel_empty(nodes * stride, torch.uint8)
+    mine = packed.narrow(0, me * stride, stride)
+    mine.zero_()
+    mine.narrow(0, 0, wire).copy_(codec.encode(delta))
+    return Encoded(refs, sizes, valid, pads, offsets, total, on_accel, packed, mine, stride, wire,
+                   exact=rows[me].to(torch.float32, copy=True))
+
+
+def _decode(pc: ParamCompression, params: list, bundle: torch.Tensor, part: int, enc: Encoded) -> None:
+    """The other half of [Note: the vectorised stage 1]: every message decoded, the reconstructions written into the
+    bundle and the references, the drift."""
+    nodes, me, sizes, offsets, valid = pc.nodes, pc.peer_index, enc.sizes, enc.offsets, enc.valid
+    rows = bundle.view(nodes, part)
+    decoded = pc.codec.decode_rows(pc.messages(enc.packed, nodes, enc.stride, enc.wire), enc.total)  # (N, total)
+    if enc.pads != sizes:  # drop each parameter's block padding: the bundle's layout
+        decoded = torch.cat([decoded.narrow(1, o, n) for o, n in zip(_starts(enc.pads), sizes)], dim=1)
+    torch.add(torch.cat(enc.on_accel, dim=1), decoded.narrow(1, 0, part), out=rows)  # fp32 sums, cast to the dtype
+    error = rows[me].float() - enc.exact
+    errors = _norms([error.narrow(0, off, n) for off, n in zip(offsets, valid)])
+    norms = _norms([enc.exact.narrow(0, off, n) for off, n in zip(offsets, valid)])
+    if faults.compression_broken("reconstruction"):  # test of the replica check: this rank's bundle is 1 ulp off
+        bits = {2: torch.int16, 4: torch.int32}[rows.element_size()]
+        rows.view(bits)[0, 0].bitwise_xor_(1)
+    pc.store.write_many(enc.refs, [rows[:, off:off + n] for off, n in zip(offsets, sizes)], lossy=True)
+    pc.drift.add(torch.stack(errors), torch.stack(norms))
+    pc.counters.bump(compressed_gathers=len(params))

@@ -33,7 +33,7 @@ class Phase(enum.Enum):
     """One kind of host wait on communication (the ``timeline_*`` keys of ``get_stats``)."""
 
     FORWARD_GATHER = "forward_gather"
-    """Forward fetches: issue (stage 1 of the two-stage gather is synchronous on gloo) and wait."""
+    """Forward fetches: issue (on gloo stage 1 of the two-stage gather is issued asynchronously) and wait."""
     BACKWARD_REFILL = "backward_refill"
     """Backward fetches (cache hits over the node group, or misses)."""
     GRAD_BUCKET = "grad_bucket"

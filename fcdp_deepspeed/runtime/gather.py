@@ -136,16 +136,18 @@ class HierarchicalGather:
             return PerModuleHandle(parts)
         return MultipleAllGatherHandles([handle for handle, _ in parts])
 
-    def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False) -> list[tuple[list, bool]]:
+    def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False,
+                     count: bool = True) -> list[tuple[list, bool]]:
         """The gathers :meth:`issue` makes of ``params`` (``ds_id`` ascending), in order, with whether each is
         compressed: per owning module (``per_module``: in module order), then per dtype, exact before compressed
-        (agreed: [Note: references]). The run-ahead pushes exactly these groups (``runahead.py``)."""
+        (agreed: [Note: references]). The run-ahead pushes exactly these groups (``runahead.py``; ``count`` false:
+        its planning, which counts no exact gather)."""
         by_key: dict[tuple, list] = {}
         for p in sorted(params, key=lambda q: q.ds_id):
             by_key.setdefault((self.owner.get(p.ds_id, -1) if per_module else 0, str(p.ds_tensor.dtype)), []).append(p)
         out = []
         for key in sorted(by_key):
-            exact, compressed = self.compression.split(by_key[key]) if self.compression else (by_key[key], [])
+            exact, compressed = self.compression.split(by_key[key], count) if self.compression else (by_key[key], [])
             out += [(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
         return out
 
@@ -174,47 +176,51 @@ class HierarchicalGather:
         return flat, bundle, mine, part
 
     def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
-        runahead = self.runahead if not lossy else None
-        pending = runahead.take(params) if runahead is not None else None  # its stage 1 complete (runahead.py)
+        runahead = self.runahead
+        pending = runahead.take(params, lossy) if runahead is not None else None  # its stage 1 issued (runahead.py)
         if runahead is not None:
-            runahead.record(params)
+            runahead.record(params, lossy)
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
+        if self.compression is not None:
+            self.compression.issued(params, lossy)
         if pending is not None:  # stage 1 pushed at the step's end; the queue waits for it (runahead.py)
             flat, part = pending.flat, pending.part
             stage2 = self.queue.add(flat, pending.bundle, pending.work, pushed=True, early=push_broken("read_early"))
         elif self.queue is not None:  # no streams: [Note: stage 1 does not block the host] (sequencer.py)
             flat, bundle, mine, part = self.buffers(params)
-            stage2 = self.queue.add(flat, bundle, self._stage1(params, bundle, mine, part, lossy, async_op=True))
+            stage2 = self.queue.add(flat, bundle, self.stage1(params, bundle, mine, part, lossy, async_op=True))
         else:
             flat, bundle, mine, part = self.buffers(params)
             issuing = device.current_stream()
             with device.stream(self.stream):  # [Note: streams]
                 device.wait_stream(issuing)  # the partition copies above
                 device.record_stream(flat)  # allocated on the issuing stream, written on this one
-                self._stage1(params, bundle, mine, part, lossy, async_op=False)  # ordered by the stream
+                self.stage1(params, bundle, mine, part, lossy, async_op=False)  # ordered by the stream
                 stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(self.layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=self.layout.dp_size)
 
-    def _stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, lossy: bool,
-                async_op: bool) -> Any:
-        """Stage 1 into ``bundle``: its work when asynchronous and exact, else ``None`` (complete, or ordered by
-        the stream). With ``fcdp.param_compression`` it stays synchronous: the codec reads its output at once."""
-        if lossy:
-            self.compression.stage1(params, bundle, part, self.peer_group)
-            return None
-        if self.compression is not None:
-            with self.compression.exact_stage():
-                dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=False)
-            self.compression.seed(params, bundle, part)
-            return None
+    def stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, lossy: bool,
+               async_op: bool) -> Any:
+        """Stage 1 into ``bundle``: what completes it when asynchronous (a work, or with ``fcdp.param_compression``
+        the :class:`~fcdp_deepspeed.compress.params.StageOne` that decodes or seeds at its ``wait``: [Note: the
+        compressed stage 1 in flight]), else ``None`` (complete, or ordered by the stream)."""
+        clock = self.queue.clock if self.queue is not None else None
         stage1_delay()  # test-only skew (FCDP_STAGE1_DELAY)
+        if self.compression is not None:
+            stage = self.compression.start(params, bundle, mine, part, self.peer_group, lossy=lossy,
+                                           async_op=async_op, clock=clock)
+            if not async_op:
+                stage.wait()  # the decode (or the seeding) follows on the gather stream
+                return None
+            timeline.in_flight(clock, timeline.IN_FLIGHT_STAGE1, stage.work)
+            return stage
         work = dist.allgather_fn(bundle, mine, group=self.peer_group, async_op=async_op)
         if not async_op:
             return None
-        timeline.in_flight(self.queue.clock, timeline.IN_FLIGHT_STAGE1, work)
+        timeline.in_flight(clock, timeline.IN_FLIGHT_STAGE1, work)
         return work
 
 

@@ -53,7 +53,16 @@ together (the host budget of the run-ahead; 0 turns it off), refilled as fetches
 push]). Host-communication backends only (gloo): on an
 accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
 ``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
-With ``fcdp.param_compression`` the compressed stage 1 keeps its place (its references are written in it).
+
+[Note: compressed groups run ahead] With ``fcdp.param_compression`` a group whose stage 1 is compressed runs ahead
+too: it is encoded when it is issued (against the references of that moment) and decoded, writing the new references,
+when its fetch's queue waits for it ([Note: the compressed stage 1 in flight] in ``compress/params.py``). Between the
+two nothing else may write those references: a fetch that gathers one of its parameters in another grouping (its own
+stage 1 rewrites the reference) drops it first, so does a fetch whose split (exact or compressed, decided from the
+references as they are then) differs from the plan's, and every invalidation drops it as for an exact group.
+Dropping completes the collective and decodes nothing: the references stay as they were on every peer. A planned
+group is issued only if it still splits as planned. ``FCDP_BREAK_PUSH=stale_reference`` keeps a pending compressed
+group across a fetch that rewrote its references: a test must then see a wrong reconstruction.
 """
 from __future__ import annotations
 
@@ -70,12 +79,11 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from fcdp_deepspeed import faults
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import EventCounters
-from fcdp_deepspeed.runtime.sequencer import stage1_delay
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
 DELAY_ENV = "FCDP_PUSH_DELAY"
-BREAKS = ("read_early", "skip_invalidation")
+BREAKS = ("read_early", "skip_invalidation", "stale_reference")
 
 
 def push_broken(what: str) -> bool:
@@ -107,6 +115,10 @@ class RunAheadCounters(EventCounters):
     """Groups issued later, by a fetch that took a pushed group ([Note: a rolling push])."""
 
 
+def _key(params: Sequence[torch.nn.Parameter]) -> tuple[int, ...]:
+    return tuple(p.ds_id for p in params)
+
+
 @dataclass(eq=False)
 class Pending:
     """One group's stage 1 in flight: its buffers (``HierarchicalGather.buffers``) and the work."""
@@ -115,8 +127,16 @@ class Pending:
     flat: torch.Tensor
     bundle: torch.Tensor
     part: int
+    #: What completes stage 1: its work, or under ``fcdp.param_compression`` a ``StageOne`` (``compress/params.py``).
     work: Any
     nbytes: int = 0
+    #: A compressed stage 1 ([Note: compressed groups run ahead]).
+    lossy: bool = False
+
+    def drop(self) -> None:
+        """Complete the collective (every peer issued it) without using it: a compressed one decodes nothing and
+        writes no reference."""
+        getattr(self.work, "discard", self.work.wait)()
 
 
 @dataclass(eq=False)
@@ -140,15 +160,16 @@ class RunAhead:
     armed: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def record(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """A two-stage exact gather of ``params`` (sorted by ``ds_id``) was issued: the next push repeats it."""
+    def record(self, params: Sequence[torch.nn.Parameter], lossy: bool = False) -> None:
+        """A two-stage gather of ``params`` (sorted by ``ds_id``; ``lossy``: compressed) was issued: the next push
+        repeats it."""
         with self._lock:
-            self.trace.append((tuple(p.ds_id for p in params), list(params)))
+            self.trace.append((_key(params), list(params), lossy))
 
-    def take(self, params: Sequence[torch.nn.Parameter]) -> Optional[Pending]:
-        """The pending stage 1 of exactly ``params`` (still in flight: the gather's queue waits for it before
-        its stage 2, ``sequencer.py``), or ``None``."""
-        key = tuple(p.ds_id for p in params)
+    def take(self, params: Sequence[torch.nn.Parameter], lossy: bool = False) -> Optional[Pending]:
+        """The pending stage 1 of exactly ``params`` as ``lossy`` as the fetch's (still in flight: the gather's queue
+        waits for it before its stage 2, ``sequencer.py``), or ``None``."""
+        key = _key(params)
         with self._lock:
             if self.armed:  # the window's first two-stage gather ([Note: from the window's first fetch])
                 self.armed = False
@@ -158,22 +179,37 @@ class RunAhead:
                     self.planned = {}  # the window does not follow the plan: nothing is issued ahead in it
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
+            stale = [] if pending is not None or push_broken("stale_reference") else self._overlapping_lossy(key)
+        if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
+            stale, pending = [pending], None
+        for old in stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
+            old.drop()
+        self.counters.bump(cancelled=len(stale))
         if pending is not None:
             self.counters.bump(used=1)
             self._issue(rolled=True)
         return pending
 
-    def plan(self, trace: list) -> list[list]:
-        """The groups the next window will gather in two stages, in order ([Note: what is pushed])."""
+    def _overlapping_lossy(self, key: tuple[int, ...]) -> list[Pending]:
+        """Remove and return the pending compressed groups sharing a parameter with ``key`` (under the lock)."""
+        ids = set(key)
+        out = [v for k, v in self.pending.items() if v.lossy and ids.intersection(k)]
+        for v in out:
+            del self.pending[v.key]
+        return out
+
+    def plan(self, trace: list) -> list[tuple[list, bool]]:
+        """The groups the next window will gather in two stages, in order, each with whether it is compressed
+        ([Note: what is pushed])."""
         batch = self.batcher.plan() if self.batcher is not None else []
-        groups = [group for group, lossy in self.gather.issue_groups(batch) if not lossy] if batch else []
+        groups = self.gather.issue_groups(batch, count=False) if batch else []
         batched = {p.ds_id for p in batch}
-        for _, params in trace:
+        for _, params, lossy in trace:
             rest = [p for p in params if p.ds_id not in batched]
             if len(rest) == len(params):
-                groups.append(params)
+                groups.append((params, lossy))
             elif rest:  # the batch's parameters are hits after the refill: the module's fetch gathers the rest
-                groups += [group for group, lossy in self.gather.issue_groups(rest, per_module=True) if not lossy]
+                groups += self.gather.issue_groups(rest, per_module=True, count=False)
         return groups
 
     def push(self) -> None:
@@ -184,8 +220,8 @@ class RunAhead:
         faults.rank_skew(DELAY_ENV, dist.get_rank())  # test-only skew (FCDP_PUSH_DELAY)
         with self._lock:
             self.planned = {}
-            for params in self.plan(trace):
-                self.planned.setdefault(tuple(p.ds_id for p in params), params)
+            for params, lossy in self.plan(trace):
+                self.planned.setdefault(_key(params), (params, lossy))
             self.armed = self.start is Start.FIRST_FETCH
             if self.armed and len(self.planned) < 2:  # [Note: one group runs nothing ahead]
                 self.planned, self.armed = {}, False
@@ -206,11 +242,12 @@ class RunAhead:
             total = sum(v.nbytes for v in self.pending.values())
             issued = 0
             while self.planned:
-                key, params = next(iter(self.planned.items()))
+                key, (params, lossy) = next(iter(self.planned.items()))
                 if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
-                                                  p.ds_secondary_tensor is None for p in params):
+                                                  p.ds_secondary_tensor is None for p in params) \
+                        or [(_key(g), l) for g, l in self.gather.issue_groups(params, count=False)] != [(key, lossy)]:
                     del self.planned[key]
-                    continue  # a hit next time (e.g. a frozen parameter filled since), or gathered twice
+                    continue  # a hit next time (e.g. a frozen parameter filled since), gathered twice, or split anew
                 numel = sum(p.ds_tensor.ds_numel for p in params)
                 nbytes = numel * self.gather.layout.dp_size * params[0].element_size()
                 if total + nbytes > self.max_bytes:
@@ -218,10 +255,10 @@ class RunAhead:
                 del self.planned[key]
                 total += nbytes
                 flat, bundle, mine, part = self.gather.buffers(params)
-                stage1_delay()  # test-only skew (FCDP_STAGE1_DELAY), as for a stage 1 issued by its fetch
-                work = dist.allgather_fn(bundle, mine, group=self.gather.peer_group, async_op=True)
-                timeline.in_flight(self.clock, timeline.IN_FLIGHT_STAGE1, work)
-                self.pending[key] = Pending(key, flat, bundle, part, work, nbytes)
+                # as for a stage 1 issued by its fetch: asynchronous (a compressed one encodes now, decodes when the
+                # fetch's queue waits for it); the test-only skew (FCDP_STAGE1_DELAY) and the trace included
+                work = self.gather.stage1(params, bundle, mine, part, lossy, async_op=True)
+                self.pending[key] = Pending(key, flat, bundle, part, work, nbytes, lossy)
                 issued += 1
                 self.counters.bump(pushed_bytes=nbytes)
         self.counters.bump(**{"rolled" if rolled else "pushed": issued})
@@ -240,7 +277,7 @@ class RunAhead:
                 for v in dropped:
                     del self.pending[v.key]
         for pending in dropped:  # every rank issued it: completes; nothing new is issued
-            pending.work.wait()
+            pending.drop()
         self.counters.bump(**{"unused" if unused else "cancelled": len(dropped)})
 
     def on_partition(self, param: torch.nn.Parameter, has_been_updated: bool) -> None:
@@ -259,7 +296,7 @@ def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock
                    batcher: Any = None) -> Optional[RunAhead]:
     """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead]): the push when
     ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
-    if gather is None or gather.queue is None or gather.compression is not None:
+    if gather is None or gather.queue is None:
         return None
     budget, start = (config.param_push_bytes, Start.STEP_END) if config.param_push_bytes else \
         (config.param_runahead_bytes, Start.FIRST_FETCH)

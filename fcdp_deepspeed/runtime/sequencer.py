@@ -61,7 +61,8 @@ class Deferred:
     queue: "StageTwo"
     flat: torch.Tensor
     bundle: torch.Tensor
-    #: Stage 1's work, ``None`` when it completed at issue (a compressed stage 1).
+    #: What completes stage 1: its work, or with ``fcdp.param_compression`` a ``StageOne`` whose ``wait`` also
+    #: decodes into the bundle ([Note: the compressed stage 1 in flight] in ``compress/params.py``).
     stage1: Any
     #: Stage 1 was issued at the previous step's end (``runahead.py``): its wait is the timeline's push wait.
     pushed: bool = False

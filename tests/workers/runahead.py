@@ -61,6 +61,43 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
         out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
         os.environ[runahead.BREAK_ENV] = ""
     out["lora"] = lora()  # in the same ranks: the LoRA test needs no process group of its own
+    out["compressed"] = compressed()
+    return out
+
+
+def _gather_together(engine, params: list) -> None:
+    """One two-stage gather of ``params`` (misses after a step) as a fetch that coalesces them makes it, then released
+    as after use. (``GatheredParameters`` takes DeepSpeed's flat gather, which no reference depends on.)"""
+    handle = engine.optimizer.fcdp.gather.issue(params)
+    handle.wait()
+    for p in params:
+        p.partition(has_been_updated=False)
+
+
+def compressed(steps: int = 3) -> dict:
+    """``fcdp.param_compression`` int4 with the run-ahead ([Note: compressed groups run ahead]): without it, from the
+    window's first fetch, the push from the step's end, and the broken variants. Between steps one two-stage gather
+    takes two weights together (:func:`_gather_together`; its compressed stage 1 rewrites their references): the
+    groups pushed at the step's end that hold them (one per module) must be dropped. Cached, the weights are hits
+    after it; without cache slots (``min_numel``) the forward gathers them again, from those groups if they were kept. Rank 2's push is late (``variants``' skew)."""
+    out = {}
+    uncached = {"min_numel": 10**6}  # no cache slot: every fetch is a two-stage gather (references only)
+    for name, extra, broken in (("off", {"param_runahead_bytes": 0}, ""), ("window", {}, ""),
+                                ("push", {"param_push_bytes": 2**30}, ""),
+                                ("window_read_early", {}, "read_early"),
+                                ("off_uncached", {"param_runahead_bytes": 0, **uncached}, ""),
+                                ("push_uncached", {"param_push_bytes": 2**30, **uncached}, ""),
+                                ("push_uncached_stale", {"param_push_bytes": 2**30, **uncached}, "stale_reference")):
+        os.environ[runahead.BREAK_ENV] = broken
+        cfg = toy.ds_config(fcdp_block(param_compression="int4", **extra), regime="large")
+        engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
+        losses = toy.train(engine, steps, hidden=HIDDEN).losses
+        _gather_together(engine, [engine.module.blocks[i].fc.weight for i in (1, 2)])
+        losses += toy.train(engine, steps, hidden=HIDDEN, seed=1).losses
+        stats = fcdp_deepspeed.get_stats(engine)
+        out[name] = {"losses": losses, "out": forward(engine, HIDDEN),
+                     "stats": {k: v for k, v in stats.items() if k.startswith(("param_push", "param_compressed"))}}
+        os.environ[runahead.BREAK_ENV] = ""
     return out
 
 
