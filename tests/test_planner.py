@@ -166,4 +166,6 @@ def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     check_rows(rows)
     losses = {r["engine"]: r["losses"] for r in rows if not r.get("computed")}
     assert losses["fcdp"] == losses["zero3"]
+    pushes = {r["engine"]: r["runahead_stats"] for r in rows if not r.get("computed")}
+    assert pushes["zero3"] == {} and "param_push_used_per_step" in pushes["fcdp_node"], pushes
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()

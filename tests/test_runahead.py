@@ -108,6 +108,8 @@ def test_compressed_groups_run_ahead_with_the_bits_of_their_own_fetch(results):
             assert s["param_push_used"] > 0 and s["param_compressed_gathers"] == r[off]["stats"]["param_compressed_gathers"], s
             assert r[off]["stats"]["param_compressed_gathers"] > 0 and "param_push_groups" not in r[off]["stats"]
         assert r["push_uncached"]["stats"]["param_push_cancelled"] >= 2, r["push_uncached"]["stats"]
+        s = r["push_refresh"]["stats"]  # references dropped every 2 steps, before the push plans: nothing wasted
+        assert s["param_push_used"] > 0 and s["param_push_cancelled"] == 0 and s["param_push_unused"] == 0, s
 
 
 def test_compressed_run_ahead_broken_variants_change_values(results):

@@ -177,13 +177,13 @@ class FCDPRuntime:
         self.counters.bump(optimizer_steps=1)
         if self.gather is not None:  # [Note: the optimizer's writes] (runtime/gather.py)
             self.gather.stepped = device.record_event()
+        if self.compression is not None:  # before the push plans: a refresh step's plan is exact (runahead.py)
+            self.compression.store.on_step_end()
         if self.runahead is not None:
             self.runahead.push()  # after the step's invalidation: the next window's stage 1 starts now
         self.promotion.on_step_end()
-        if self.compression is not None:
-            self.compression.store.on_step_end()
-            if self.report.due():
-                self.compression.collect_drift(self.dp_group)  # collective, at the report cadence only
+        if self.compression is not None and self.report.due():
+            self.compression.collect_drift(self.dp_group)  # collective, at the report cadence only
         self.report.on_step_end()
 
     def stats(self) -> dict:

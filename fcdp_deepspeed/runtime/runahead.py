@@ -50,7 +50,8 @@ Correctness:
 
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
 together (the host budget of the run-ahead; 0 turns it off), refilled as fetches take groups ([Note: a rolling
-push]). Host-communication backends only (gloo): on an
+push]); a compressed one also holds its messages, the references it read (copies on an accelerator) and an fp32
+copy of its own partition (not counted: together at most about (N + 3)/W of that size). Host-communication backends only (gloo): on an
 accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
 ``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
 
@@ -61,7 +62,8 @@ two nothing else may write those references: a fetch that gathers one of its par
 stage 1 rewrites the reference) drops it first, so does a fetch whose split (exact or compressed, decided from the
 references as they are then) differs from the plan's, and every invalidation drops it as for an exact group.
 Dropping completes the collective and decodes nothing: the references stay as they were on every peer. A planned
-group is issued only if it still splits as planned. ``FCDP_BREAK_PUSH=stale_reference`` keeps a pending compressed
+group is issued only if it still splits as planned; the periodic refresh drops the references before the push
+plans (``FCDPRuntime.on_step_end``), so a refresh step's plan is exact. ``FCDP_BREAK_PUSH=stale_reference`` keeps a pending compressed
 group across a fetch that rewrote its references: a test must then see a wrong reconstruction.
 """
 from __future__ import annotations
@@ -179,9 +181,9 @@ class RunAhead:
                     self.planned = {}  # the window does not follow the plan: nothing is issued ahead in it
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
-            stale = [] if pending is not None or push_broken("stale_reference") else self._overlapping_lossy(key)
+            stale = [] if push_broken("stale_reference") else self._overlapping_lossy(key)  # the others holding any
         if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
-            stale, pending = [pending], None
+            stale, pending = stale + [pending], None
         for old in stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
             old.drop()
         self.counters.bump(cancelled=len(stale))

@@ -87,12 +87,14 @@ def compressed(steps: int = 3) -> dict:
                                 ("window_read_early", {}, "read_early"),
                                 ("off_uncached", {"param_runahead_bytes": 0, **uncached}, ""),
                                 ("push_uncached", {"param_push_bytes": 2**30, **uncached}, ""),
-                                ("push_uncached_stale", {"param_push_bytes": 2**30, **uncached}, "stale_reference")):
+                                ("push_uncached_stale", {"param_push_bytes": 2**30, **uncached}, "stale_reference"),
+                                ("push_refresh", {"param_push_bytes": 2**30, "param_refresh_interval": 2}, "")):
         os.environ[runahead.BREAK_ENV] = broken
         cfg = toy.ds_config(fcdp_block(param_compression="int4", **extra), regime="large")
         engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
         losses = toy.train(engine, steps, hidden=HIDDEN).losses
-        _gather_together(engine, [engine.module.blocks[i].fc.weight for i in (1, 2)])
+        if name != "push_refresh":
+            _gather_together(engine, [engine.module.blocks[i].fc.weight for i in (1, 2)])
         losses += toy.train(engine, steps, hidden=HIDDEN, seed=1).losses
         stats = fcdp_deepspeed.get_stats(engine)
         out[name] = {"losses": losses, "out": forward(engine, HIDDEN),

@@ -239,6 +239,9 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "grad_compression": (block or {}).get("grad_compression", "off"),
             "compression_block": s.compression_block if engine_name in COMPRESSED_ENGINES else None,
             "compression_stats": compression_stats(stats0, stats1, s.steps),
+            # the run-ahead's groups per timed step (runtime/runahead.py): issued ahead, used, cancelled, unused
+            "runahead_stats": {f"{k}_per_step": (v - stats0.get(k, 0)) / s.steps for k, v in stats1.items()
+                               if k.startswith("param_push") and k != "param_push_pending"},
             # the busiest node uplink, per step: the step-time floor of a shaped link (tools/bench/compression.py)
             "uplink_max_payload_bytes_per_step": max(max(u["tx_payload"], u["rx_payload"]) for u in links) / s.steps,
             "uplink_max_frame_bytes_per_step": max(max(u["tx_frames"], u["rx_frames"]) for u in links) / s.steps,
