@@ -131,25 +131,31 @@ class HierarchicalGather:
         if safe_mode:
             assert_ints_same_as_other_ranks([p.ds_id for p in params])
             assert_ints_same_as_other_ranks([p.ds_tensor.ds_numel for p in params])
-        parts = [(self._issue_one(group, lossy), group) for group, lossy in self.issue_groups(params, per_module)]
+        parts = [(self._issue_one(group, lossy, unit), group)
+                 for unit in self.units(params, per_module) for group, lossy in self.split(unit)]
         if per_module and len(parts) > 1:
             return PerModuleHandle(parts)
         return MultipleAllGatherHandles([handle for handle, _ in parts])
 
-    def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False,
-                     count: bool = True) -> list[tuple[list, bool]]:
-        """The gathers :meth:`issue` makes of ``params`` (``ds_id`` ascending), in order, with whether each is
-        compressed: per owning module (``per_module``: in module order), then per dtype, exact before compressed
-        (agreed: [Note: references]). The run-ahead pushes exactly these groups (``runahead.py``; ``count`` false:
-        its planning, which counts no exact gather)."""
+    def units(self, params: Sequence[torch.nn.Parameter], per_module: bool = False) -> list[list]:
+        """``params`` (``ds_id`` ascending) per owning module (``per_module``: in module order), then per dtype: the
+        units :meth:`split` divides into gathers."""
         by_key: dict[tuple, list] = {}
         for p in sorted(params, key=lambda q: q.ds_id):
             by_key.setdefault((self.owner.get(p.ds_id, -1) if per_module else 0, str(p.ds_tensor.dtype)), []).append(p)
-        out = []
-        for key in sorted(by_key):
-            exact, compressed = self.compression.split(by_key[key], count) if self.compression else (by_key[key], [])
-            out += [(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
-        return out
+        return [by_key[key] for key in sorted(by_key)]
+
+    def split(self, unit: list, count: bool = True) -> list[tuple[list, bool]]:
+        """One unit's gathers with whether each is compressed, exact before compressed (agreed: [Note:
+        references]); ``count`` false: the run-ahead's planning, which counts no exact gather."""
+        exact, compressed = self.compression.split(unit, count) if self.compression else (unit, [])
+        return [(group, lossy) for group, lossy in ((exact, False), (compressed, True)) if group]
+
+    def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False,
+                     count: bool = True) -> list[tuple[list, bool]]:
+        """The gathers :meth:`issue` makes of ``params``, in order, with whether each is compressed (:meth:`units`,
+        :meth:`split`). The run-ahead pushes exactly these groups (``runahead.py``)."""
+        return [part for unit in self.units(params, per_module) for part in self.split(unit, count)]
 
     def lossy(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
@@ -175,11 +181,12 @@ class HierarchicalGather:
         bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
         return flat, bundle, mine, part
 
-    def _issue_one(self, params: list, lossy: bool = False) -> AllGatherCoalescedHandle:
+    def _issue_one(self, params: list, lossy: bool = False, unit: Optional[list] = None) -> AllGatherCoalescedHandle:
+        """One gather of ``params``, a part of ``unit`` (:meth:`split`; default: all of it)."""
         runahead = self.runahead
         pending = runahead.take(params, lossy) if runahead is not None else None  # its stage 1 issued (runahead.py)
         if runahead is not None:
-            runahead.record(params, lossy)
+            runahead.record(params, unit if unit is not None else params)
         for p in params:
             p.ds_status = ZeroParamStatus.INFLIGHT
         if self.compression is not None:

@@ -30,8 +30,9 @@ parameters takes it (:meth:`RunAhead.take`): its stage 2 waits for that work in 
 (``sequencer.py``; ``push_wait`` in the timeline); anything else takes the normal path.
 
 [Note: what is pushed] The groups the last window gathered in two stages (each one module's parameters of one
-dtype: ``gather.issue_groups``, also for DeepSpeed's coalesced prefetch, ``gather.PerModuleHandle``), in their
-order; when the batched refill (``refill.py``) will refill the stale parameters at the next miss, that batch is
+dtype: ``gather.units``, also for DeepSpeed's coalesced prefetch, ``gather.PerModuleHandle``), in their order, each
+split into exact and compressed parts as the references are at the plan (``gather.split``: a unit gathered exactly
+at its first gather is compressed from the next; after a refresh the other way round); when the batched refill (``refill.py``) will refill the stale parameters at the next miss, that batch is
 pushed as one group instead (and the trace's groups without its parameters): the batch is what the next window
 gathers, and a push in any other grouping crossed the nodes for nothing, the refill's own stage 1 crossing again
 (``param_push_unused`` counts what no fetch took; ``tests/test_gather.py`` requires none under LoRA).
@@ -162,11 +163,13 @@ class RunAhead:
     armed: bool = False
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def record(self, params: Sequence[torch.nn.Parameter], lossy: bool = False) -> None:
-        """A two-stage gather of ``params`` (sorted by ``ds_id``; ``lossy``: compressed) was issued: the next push
-        repeats it."""
+    def record(self, params: Sequence[torch.nn.Parameter], unit: Sequence[torch.nn.Parameter]) -> None:
+        """A two-stage gather of ``params`` (sorted by ``ds_id``), a part of ``unit`` (``gather.units``: the exact and
+        the compressed part of one module's parameters of one dtype), was issued: the next push repeats the unit, split
+        as the references are then ([Note: compressed groups run ahead])."""
         with self._lock:
-            self.trace.append((_key(params), list(params), lossy))
+            if not self.trace or self.trace[-1][0] != _key(unit):  # a unit's parts come one after the other
+                self.trace.append((_key(unit), list(unit)))
 
     def take(self, params: Sequence[torch.nn.Parameter], lossy: bool = False) -> Optional[Pending]:
         """The pending stage 1 of exactly ``params`` as ``lossy`` as the fetch's (still in flight: the gather's queue
@@ -206,10 +209,10 @@ class RunAhead:
         batch = self.batcher.plan() if self.batcher is not None else []
         groups = self.gather.issue_groups(batch, count=False) if batch else []
         batched = {p.ds_id for p in batch}
-        for _, params, lossy in trace:
-            rest = [p for p in params if p.ds_id not in batched]
-            if len(rest) == len(params):
-                groups.append((params, lossy))
+        for _, unit in trace:
+            rest = [p for p in unit if p.ds_id not in batched]
+            if len(rest) == len(unit):
+                groups += self.gather.split(unit, count=False)
             elif rest:  # the batch's parameters are hits after the refill: the module's fetch gathers the rest
                 groups += self.gather.issue_groups(rest, per_module=True, count=False)
         return groups
@@ -247,7 +250,7 @@ class RunAhead:
                 key, (params, lossy) = next(iter(self.planned.items()))
                 if key in self.pending or not all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE and
                                                   p.ds_secondary_tensor is None for p in params) \
-                        or [(_key(g), l) for g, l in self.gather.issue_groups(params, count=False)] != [(key, lossy)]:
+                        or [(_key(g), l) for g, l in self.gather.split(params, count=False)] != [(key, lossy)]:
                     del self.planned[key]
                     continue  # a hit next time (e.g. a frozen parameter filled since), gathered twice, or split anew
                 numel = sum(p.ds_tensor.ds_numel for p in params)
