@@ -66,6 +66,15 @@ from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
 from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
 
 
+def units(params: Sequence[torch.nn.Parameter], owner: dict, per_module: bool = False) -> list[list]:
+    """``params`` (``ds_id`` ascending) per owning module (``per_module``: in module order, ``owner``: ``ds_id`` ->
+    module index), then per dtype: the units ``HierarchicalGather.split`` divides into gathers."""
+    by_key: dict[tuple, list] = {}
+    for p in sorted(params, key=lambda q: q.ds_id):
+        by_key.setdefault((owner.get(p.ds_id, -1) if per_module else 0, str(p.ds_tensor.dtype)), []).append(p)
+    return [by_key[key] for key in sorted(by_key)]
+
+
 def slot_of_rank(layout: ReduceLayout) -> tuple[int, ...]:
     """``slots[r]``: the slot of the flat buffer that receives DP rank r's partition."""
     slots = [0] * layout.dp_size
@@ -132,18 +141,10 @@ class HierarchicalGather:
             assert_ints_same_as_other_ranks([p.ds_id for p in params])
             assert_ints_same_as_other_ranks([p.ds_tensor.ds_numel for p in params])
         parts = [(self._issue_one(group, lossy, unit), group)
-                 for unit in self.units(params, per_module) for group, lossy in self.split(unit)]
+                 for unit in units(params, self.owner, per_module) for group, lossy in self.split(unit)]
         if per_module and len(parts) > 1:
             return PerModuleHandle(parts)
         return MultipleAllGatherHandles([handle for handle, _ in parts])
-
-    def units(self, params: Sequence[torch.nn.Parameter], per_module: bool = False) -> list[list]:
-        """``params`` (``ds_id`` ascending) per owning module (``per_module``: in module order), then per dtype: the
-        units :meth:`split` divides into gathers."""
-        by_key: dict[tuple, list] = {}
-        for p in sorted(params, key=lambda q: q.ds_id):
-            by_key.setdefault((self.owner.get(p.ds_id, -1) if per_module else 0, str(p.ds_tensor.dtype)), []).append(p)
-        return [by_key[key] for key in sorted(by_key)]
 
     def split(self, unit: list, count: bool = True) -> list[tuple[list, bool]]:
         """One unit's gathers with whether each is compressed, exact before compressed (agreed: [Note:
@@ -153,9 +154,9 @@ class HierarchicalGather:
 
     def issue_groups(self, params: Sequence[torch.nn.Parameter], per_module: bool = False,
                      count: bool = True) -> list[tuple[list, bool]]:
-        """The gathers :meth:`issue` makes of ``params``, in order, with whether each is compressed (:meth:`units`,
+        """The gathers :meth:`issue` makes of ``params``, in order, with whether each is compressed (:func:`units`,
         :meth:`split`). The run-ahead pushes exactly these groups (``runahead.py``)."""
-        return [part for unit in self.units(params, per_module) for part in self.split(unit, count)]
+        return [part for unit in units(params, self.owner, per_module) for part in self.split(unit, count)]
 
     def lossy(self, param: torch.nn.Parameter) -> bool:
         """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""

@@ -122,6 +122,15 @@ def _key(params: Sequence[torch.nn.Parameter]) -> tuple[int, ...]:
     return tuple(p.ds_id for p in params)
 
 
+def _pop_overlapping_lossy(pending: dict, key: tuple[int, ...]) -> list["Pending"]:
+    """Remove from ``pending`` and return its compressed groups sharing a parameter with ``key`` (under the lock)."""
+    ids = set(key)
+    out = [v for k, v in pending.items() if v.lossy and ids.intersection(k)]
+    for v in out:
+        del pending[v.key]
+    return out
+
+
 @dataclass(eq=False)
 class Pending:
     """One group's stage 1 in flight: its buffers (``HierarchicalGather.buffers``) and the work."""
@@ -184,7 +193,7 @@ class RunAhead:
                     self.planned = {}  # the window does not follow the plan: nothing is issued ahead in it
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
-            stale = [] if push_broken("stale_reference") else self._overlapping_lossy(key)  # the others holding any
+            stale = [] if push_broken("stale_reference") else _pop_overlapping_lossy(self.pending, key)  # the others holding any
         if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
             stale, pending = stale + [pending], None
         for old in stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
@@ -194,14 +203,6 @@ class RunAhead:
             self.counters.bump(used=1)
             self._issue(rolled=True)
         return pending
-
-    def _overlapping_lossy(self, key: tuple[int, ...]) -> list[Pending]:
-        """Remove and return the pending compressed groups sharing a parameter with ``key`` (under the lock)."""
-        ids = set(key)
-        out = [v for k, v in self.pending.items() if v.lossy and ids.intersection(k)]
-        for v in out:
-            del self.pending[v.key]
-        return out
 
     def plan(self, trace: list) -> list[tuple[list, bool]]:
         """The groups the next window will gather in two stages, in order, each with whether it is compressed
