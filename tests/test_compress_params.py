@@ -350,12 +350,10 @@ def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s
     monkeypatch.setattr(compress_params.dist, "allgather_fn", allgather)
     monkeypatch.setattr(pc.drift, "add", lambda e, n: seen.update(drift=(e, n)))
     bundle = rows.view(-1)
-    if in_flight:  # [Note: the compressed stage 1 in flight]: encoded at issue, decoded at the wait
-        stage = pc.start(params, bundle, rows[me], part, None, lossy=True, async_op=True)
-        assert "drift" not in seen
-        stage.wait()
-    else:
-        pc.stage1(params, bundle, part, None)
+    # [Note: the compressed stage 1 in flight]: encoded at issue, decoded at the wait (with streams: right after it)
+    stage = pc.start(params, bundle, rows[me], part, None, lossy=True, async_op=in_flight)
+    assert "drift" not in seen
+    stage.wait()
     assert torch.equal(seen["own"][:own.numel()], own) and not seen["own"][own.numel():].any()
     assert torch.equal(_bits(rows), _bits(old_rows))
     for p, want in zip(params, new_refs):

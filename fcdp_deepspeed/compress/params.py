@@ -205,13 +205,6 @@ class ParamCompression:
                 work = None
         return StageOne(self, params, bundle, part, work, clock, state=state)
 
-    def stage1(self, params: list, bundle: torch.Tensor, part: int, group: Any) -> None:
-        """The compressed stage 1 of ``params`` (one dtype, all with valid references) into ``bundle``, on
-        the gather stream (see [Note: the compressed stage 1]), synchronously; timed as the codec's phase, its
-        collective as the fetch's (``timeline.py``)."""
-        rows = bundle.view(self.nodes, part)
-        self.start(params, bundle, rows[self.peer_index], part, group, lossy=True, async_op=False).wait()
-
     def collect_drift(self, group: Any) -> None:
         """Collective over ``group`` at the report cadence: the drift over every rank since the last report
         (blocking control reads, as the report's own), then a new interval."""

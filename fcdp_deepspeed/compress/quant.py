@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 import torch
 
@@ -124,10 +124,10 @@ def _rotate_columns_(y: torch.Tensor, down: torch.Tensor, scaled: bool = True) -
     return y.mul_(y.shape[0] ** -0.5).mul_(down.reciprocal()) if scaled else y
 
 
-def _columns(blocks: torch.Tensor, down: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _columns(blocks: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``(M, B)`` ``blocks`` (any strides) as contiguous ``(B, M)``, times ``down`` per block: one transposing copy."""
     out = torch.empty(blocks.shape[1], blocks.shape[0], dtype=torch.float32, device=blocks.device)
-    return out.copy_(blocks.t()) if down is None else torch.mul(blocks.t(), down, out=out)
+    return torch.mul(blocks.t(), down, out=out)
 
 
 def _rows(y: torch.Tensor, down: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ class FCDPRuntime:
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
-        self.runahead = build_runahead(self.config, gather, self.clock, batcher)
+        self.runahead = build_runahead(self.config, gather, batcher)
         if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
             self.invalidation.listeners.append(self.runahead.cancel)
             for hook in self.attachment.hooks:

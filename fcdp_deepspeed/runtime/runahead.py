@@ -32,8 +32,8 @@ parameters takes it (:meth:`RunAhead.take`): its stage 2 waits for that work in 
 [Note: what is pushed] The groups the last window gathered in two stages (each one module's parameters of one
 dtype: ``gather.units``, also for DeepSpeed's coalesced prefetch, ``gather.PerModuleHandle``), in their order, each
 split into exact and compressed parts as the references are at the plan (``gather.split``: a unit gathered exactly
-at its first gather is compressed from the next; after a refresh the other way round); when the batched refill (``refill.py``) will refill the stale parameters at the next miss, that batch is
-pushed as one group instead (and the trace's groups without its parameters): the batch is what the next window
+at its first gather is compressed from the next; after a refresh the other way round); when the batched refill
+(``refill.py``) will refill the stale parameters at the next miss, that batch is pushed as one group instead (and the trace's groups without its parameters): the batch is what the next window
 gathers, and a push in any other grouping crossed the nodes for nothing, the refill's own stage 1 crossing again
 (``param_push_unused`` counts what no fetch took; ``tests/test_gather.py`` requires none under LoRA).
 
@@ -52,8 +52,8 @@ Correctness:
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
 together (the host budget of the run-ahead; 0 turns it off), refilled as fetches take groups ([Note: a rolling
 push]); a compressed one also holds its messages, the references it read (copies on an accelerator) and an fp32
-copy of its own partition (not counted: together at most about (N + 3)/W of that size). Host-communication backends only (gloo): on an
-accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
+copy of its own partition (not counted: together at most about (N + 3)/W of that size). Host-communication
+backends only (gloo): on an accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
 ``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
 
 [Note: compressed groups run ahead] With ``fcdp.param_compression`` a group whose stage 1 is compressed runs ahead
@@ -64,8 +64,8 @@ stage 1 rewrites the reference) drops it first, so does a fetch whose split (exa
 references as they are then) differs from the plan's, and every invalidation drops it as for an exact group.
 Dropping completes the collective and decodes nothing: the references stay as they were on every peer. A planned
 group is issued only if it still splits as planned; the periodic refresh drops the references before the push
-plans (``FCDPRuntime.on_step_end``), so a refresh step's plan is exact. ``FCDP_BREAK_PUSH=stale_reference`` keeps a pending compressed
-group across a fetch that rewrote its references: a test must then see a wrong reconstruction.
+plans (``FCDPRuntime.on_step_end``), so a refresh step's plan is exact. ``FCDP_BREAK_PUSH=stale_reference`` keeps
+a pending compressed group across a fetch that rewrote its references: a test must then see a wrong reconstruction.
 """
 from __future__ import annotations
 
@@ -80,7 +80,6 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import EventCounters
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
@@ -157,7 +156,6 @@ class RunAhead:
 
     gather: Any  # HierarchicalGather (not imported: gather.py imports this module)
     max_bytes: int
-    clock: Optional[timeline.PhaseClock] = None
     #: The engine's batched refill (``refill.py``): a batch it will make is pushed as one group.
     batcher: Any = None
     counters: RunAheadCounters = field(default_factory=RunAheadCounters)
@@ -176,9 +174,10 @@ class RunAhead:
         """A two-stage gather of ``params`` (sorted by ``ds_id``), a part of ``unit`` (``gather.units``: the exact and
         the compressed part of one module's parameters of one dtype), was issued: the next push repeats the unit, split
         as the references are then ([Note: compressed groups run ahead])."""
+        key = _key(unit)
         with self._lock:
-            if not self.trace or self.trace[-1][0] != _key(unit):  # a unit's parts come one after the other
-                self.trace.append((_key(unit), list(unit)))
+            if not self.trace or self.trace[-1][0] != key:  # a unit's parts come one after the other
+                self.trace.append((key, list(unit)))
 
     def take(self, params: Sequence[torch.nn.Parameter], lossy: bool = False) -> Optional[Pending]:
         """The pending stage 1 of exactly ``params`` as ``lossy`` as the fetch's (still in flight: the gather's queue
@@ -193,12 +192,14 @@ class RunAhead:
                     self.planned = {}  # the window does not follow the plan: nothing is issued ahead in it
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
-            stale = [] if push_broken("stale_reference") else _pop_overlapping_lossy(self.pending, key)  # the others holding any
+            # the other pending compressed groups holding one of these parameters
+            stale = [] if push_broken("stale_reference") else _pop_overlapping_lossy(self.pending, key)
         if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
             stale, pending = stale + [pending], None
-        for old in stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
-            old.drop()
-        self.counters.bump(cancelled=len(stale))
+        if stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
+            for old in stale:
+                old.drop()
+            self.counters.bump(cancelled=len(stale))
         if pending is not None:
             self.counters.bump(used=1)
             self._issue(rolled=True)
@@ -298,8 +299,7 @@ class RunAhead:
                 "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
 
 
-def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock],
-                   batcher: Any = None) -> Optional[RunAhead]:
+def build_runahead(config: Any, gather: Any, batcher: Any = None) -> Optional[RunAhead]:
     """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead]): the push when
     ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
     if gather is None or gather.queue is None:
@@ -308,5 +308,5 @@ def build_runahead(config: Any, gather: Any, clock: Optional[timeline.PhaseClock
         (config.param_runahead_bytes, Start.FIRST_FETCH)
     if not budget:
         return None
-    gather.runahead = RunAhead(gather, budget, clock, batcher=batcher, start=start)
+    gather.runahead = RunAhead(gather, budget, batcher=batcher, start=start)
     return gather.runahead
