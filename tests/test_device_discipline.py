@@ -43,6 +43,13 @@ SCENARIOS = [
     # issue 31: small buckets, two inter-node stages in flight behind the backward (grads/inflight.py), the flush too
     dict(name="host_full_node_buckets_gated", fcdp={"cache_device": "host", **NODE, "grad_bucket_size": 256,
                                                     "grad_inflight_buckets": 2}, grad_accum=2, gate={1}, steps=3, top=TOP),
+    # issue 31, the run-ahead on streams (runtime/staged.py): stage 1 ahead on the stage-1 stream into pinned stashes,
+    # copied back on the gather stream; bit-identical. With a budget no group fits, every fetch's own stage 1 runs on
+    # the stage-1 stream and stage 2 waits for its event.
+    dict(name="host_full_flat_ahead", fcdp={"cache_device": "host", **FLAT, "param_runahead_streams": True},
+         grad_accum=2, steps=3, top=TOP),
+    dict(name="device_full_flat_ahead_own", fcdp={"cache_device": "device", **FLAT, "param_runahead_streams": True,
+                                                  "param_runahead_bytes": 1}, grad_accum=1, steps=3, top=TOP),
 ]
 BY_NAME = {s["name"]: s for s in SCENARIOS}
 RTOL = 1e-5  # node accumulation reorders the gradient sum (tests/test_grads.py)
@@ -71,15 +78,27 @@ ORDERINGS = {
                         r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
     "codec_inter_node_wait": (r"read of [\w ]+ on stream 'ds_reduce_and_partition' at compress/\w+.py:\d+ \w+ .* is "
                               r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
+    # the gather stream waits for a group's stage 1 issued ahead (and its copy into the stash) before reading the stash
+    "ahead_ready": (r"read of pinned host memory on stream 'fcdp_gather' at runtime/staged.py:\d+ stage2 .* is not "
+                    r"ordered after its write on stream 'fcdp_stage1' at runtime/staged.py:\d+ issue"),
+    # a stash is dropped only once its copy back to the accelerator is done
+    "ahead_release": (r"pinned host memory dropped at runtime/staged.py:\d+ reap while its use on stream 'fcdp_gather' "
+                      r"at runtime/staged.py:\d+ stage2"),
+    # a fetch's own stage 2 (gather stream) waits for its stage 1 on the stage-1 stream
+    "stage1_event": (r"read of [\w ]+ on stream 'collectives\(\d+, \d+\)' at runtime/staged.py:\d+ stages_on_streams .* "
+                     r"is not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
     # pinned chunks emptied by the move to the accelerator are dropped only once the move's copies are done
     "deferred_release": (r"pinned host memory dropped at storage/cache.py:\d+ reap while its use on stream "
                          r"'default' at storage/cache.py:\d+ move"),
 }
 RESIDUAL = ["residual_ready", "residual_value", "codec_inter_node_wait"]
+AHEAD = ["ahead_ready", "ahead_release", "stage1_event"]
 BREAKS = [{"scenario": BY_NAME["host_full_node_gated"],
-           "breaks": [k for k in ORDERINGS if k != "deferred_release" and k not in RESIDUAL]},
+           "breaks": [k for k in ORDERINGS if k != "deferred_release" and k not in RESIDUAL + AHEAD]},
           {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]},  # the move: end of step 2
-          {"scenario": BY_NAME["host_full_node_int8_gated"], "breaks": RESIDUAL}]
+          {"scenario": BY_NAME["host_full_node_int8_gated"], "breaks": RESIDUAL},
+          {"scenario": BY_NAME["host_full_flat_ahead"], "breaks": ["ahead_ready", "ahead_release"]},
+          {"scenario": BY_NAME["device_full_flat_ahead_own"], "breaks": ["stage1_event"]}]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +133,9 @@ def test_strict_mode_runs_and_matches_zero3(strict, name):
             assert fcdp["stats"]["h2d_async_copies"] > 0  # the staging path ran, as on CUDA
         if sc.get("gate"):
             assert fcdp["stats"]["grad_flushed"] > 0  # the host-buffer flush ran
+        if sc["fcdp"].get("param_runahead_streams"):  # the run-ahead on streams ran (runtime/staged.py)
+            ahead = sc["fcdp"].get("param_runahead_bytes") != 1
+            assert (fcdp["stats"]["param_push_used"] > 0) == ahead, fcdp["stats"]["param_push_used"]
         if sc.get("lora_rank"):
             assert fcdp["stats"]["batched_refills"] > 0  # the stale adapters' batched two-stage refill ran
         if sc.get("rtol"):  # lossy: int8 gradients across nodes

@@ -161,6 +161,9 @@ class GradStageFields(DiLoCoField):
     stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
     ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
     param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
+    param_runahead_streams: bool = False
+    """On an accelerator with streams (NCCL): run ahead too, stage 1 into pinned host memory, every stage 1 on FCDP's
+    stage-1 stream (runtime/staged.py, [Note: the run-ahead on streams]); opt-in: not yet measured on a GPU."""
 
 
 class FCDPConfig(GradStageFields):
@@ -262,6 +265,7 @@ class FCDPConfig(GradStageFields):
         _refuse_flat_compression(data)
         _compression_needs_the_two_stage_gather(data)
         _rotated_int4_needs_a_power_of_two_block(data)
+        _streams_runahead_is_exact(data)
         if isinstance(data, Mapping) and data.get("grad_accumulation") == "node":
             if data.get("grad_reduce", "hierarchical") == "flat":
                 raise FCDPConfigError("fcdp.grad_accumulation = \"node\" accumulates a node shard that only node peers "
@@ -325,6 +329,16 @@ def _rotated_int4_needs_a_power_of_two_block(data: Any) -> None:
         raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.grad_compression = \"int4\": int4 gradients "
                               f"are rotated blockwise by a Walsh-Hadamard transform, which needs a power-of-two block. "
                               f"Fix: set compression_block to {low} or {low * 2}.")
+
+
+def _streams_runahead_is_exact(data: Any) -> None:
+    """The run-ahead on streams issues exact stage 1s only (``runtime/staged.py``)."""
+    if isinstance(data, Mapping) and data.get("param_runahead_streams") is True and \
+            data.get("param_compression", "off") != "off":
+        raise FCDPConfigError(f"fcdp.param_runahead_streams = true with fcdp.param_compression = "
+                              f"\"{data['param_compression']}\": the run-ahead on streams gathers exact parameters only "
+                              f"(a compressed stage 1 decodes into its references on the gather stream). Fix: set "
+                              f"param_runahead_streams to false, or param_compression to \"off\".")
 
 
 def _compression_needs_the_two_stage_gather(data: Any) -> None:

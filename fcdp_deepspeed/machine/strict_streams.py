@@ -276,7 +276,7 @@ class StreamModel(StreamClocks):
     def _fcdps(self, rec: Record, earlier: Access, now: Access) -> bool:
         """Whether a conflict is FCDP's to order: its memory, its earlier access, its own stream now, or its access
         now (FCDP's code: e.g. the two-stage gather's copies of the optimizer-written ``ds_tensor``, which wait for
-        the step's event, [Note: the optimizer's writes] in runtime/gather.py).
+        the step's event, [Note: the optimizer's writes] in runtime/staged.py).
         [Note: DeepSpeed's own orderings] are DeepSpeed's: e.g. in 0.19.8 the optimizer's writes to ``ds_tensor``
         and the next forward's gathers on the all-gather stream (DeepSpeed's own, for its flat path) are ordered
         only by the throughput timer's device synchronize, which starts at step 2."""

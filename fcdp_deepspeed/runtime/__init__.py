@@ -175,7 +175,7 @@ class FCDPRuntime:
 
     def on_step_end(self) -> None:
         self.counters.bump(optimizer_steps=1)
-        if self.gather is not None:  # [Note: the optimizer's writes] (runtime/gather.py)
+        if self.gather is not None:  # [Note: the optimizer's writes] (runtime/staged.py)
             self.gather.stepped = device.record_event()
         if self.compression is not None:  # before the push plans: a refresh step's plan is exact (runahead.py)
             self.compression.store.on_step_end()

@@ -64,6 +64,7 @@ from fcdp_deepspeed.machine.topology import Topology, group_ranks
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
 from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
+from fcdp_deepspeed.runtime.staged import StreamAhead, copy_partitions, stages_on_streams
 
 
 def units(params: Sequence[torch.nn.Parameter], owner: dict, per_module: bool = False) -> list[list]:
@@ -103,6 +104,8 @@ class HierarchicalGather:
     runahead: Optional[RunAhead] = None
     #: Without streams: the deferred stage 2s, issued in FIFO order at the waits (``sequencer.py``).
     queue: Optional[StageTwo] = None
+    #: With streams and ``fcdp.param_runahead_streams``: the stage-1 stream and stashes (``staged.py``).
+    staged: Optional[StreamAhead] = None
     #: ``ds_id`` -> index of the module that owns the parameter (:func:`module_order`), for per-module gathers.
     owner: dict = field(default_factory=dict)
     _same_group: dict = field(default_factory=dict, repr=False)
@@ -166,21 +169,10 @@ class HierarchicalGather:
         """``(flat, bundle, mine, part)`` for a gather of ``params``: the W*P buffer with this rank's partitions
         copied into its slot, its node-position bundle (stage 1's output) and its own slot (stage 1's input)."""
         layout, dtype = self.layout, params[0].ds_tensor.dtype
-        part = sum(p.ds_tensor.ds_numel for p in params)
-        nodes = layout.nodes
+        part, nodes, own = sum(p.ds_tensor.ds_numel for p in params), layout.nodes, self.own_slot
         flat = device.accel_empty(part * layout.dp_size, dtype)
-        own = self.own_slot
-        mine = flat.narrow(0, own * part, part)
-        offset = 0
-        # [Note: the optimizer's writes] The partitions were last written by the optimizer step on the step's
-        # stream, which the issuing stream (DeepSpeed's all-gather stream) is not ordered after: in 0.19.8 only
-        # the throughput timer's device synchronize (from step 2, when enabled) orders them. FCDP's copy waits.
-        device.wait_event(self.stepped)
-        for p in params:  # host-resident under offload_param: an async copy on the issuing stream
-            device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
-            offset += p.ds_tensor.ds_numel
-        bundle = flat.narrow(0, (own // nodes) * nodes * part, nodes * part)
-        return flat, bundle, mine, part
+        mine = copy_partitions(params, flat.narrow(0, own * part, part), self.stepped)  # on the issuing stream
+        return flat, flat.narrow(0, (own // nodes) * nodes * part, nodes * part), mine, part
 
     def _issue_one(self, params: list, lossy: bool = False, unit: Optional[list] = None) -> AllGatherCoalescedHandle:
         """One gather of ``params``, a part of ``unit`` (:meth:`split`; default: all of it)."""
@@ -192,23 +184,29 @@ class HierarchicalGather:
             p.ds_status = ZeroParamStatus.INFLIGHT
         if self.compression is not None:
             self.compression.issued(params, lossy)
-        if pending is not None:  # stage 1 pushed at the step's end; the queue waits for it (runahead.py)
+        if pending is not None and self.staged is not None:  # [Note: the run-ahead on streams] (staged.py)
+            (flat, stage2), part = self.staged.stage2(pending.work, push_broken("read_early")), pending.part
+        elif pending is not None:  # stage 1 issued ahead; the queue waits for it (runahead.py)
             flat, part = pending.flat, pending.part
             stage2 = self.queue.add(flat, pending.bundle, pending.work, pushed=True, early=push_broken("read_early"))
         elif self.queue is not None:  # no streams: [Note: stage 1 does not block the host] (sequencer.py)
             flat, bundle, mine, part = self.buffers(params)
             stage2 = self.queue.add(flat, bundle, self.stage1(params, bundle, mine, part, lossy, async_op=True))
-        else:
+        else:  # streams: [Note: streams]; stage 1 on the stage-1 stream with the run-ahead (staged.py)
             flat, bundle, mine, part = self.buffers(params)
-            issuing = device.current_stream()
-            with device.stream(self.stream):  # [Note: streams]
-                device.wait_stream(issuing)  # the partition copies above
-                device.record_stream(flat)  # allocated on the issuing stream, written on this one
-                self.stage1(params, bundle, mine, part, lossy, async_op=False)  # ordered by the stream
-                stage2 = dist.allgather_fn(flat, bundle, group=self.node_group, async_op=True)
+            stage2 = stages_on_streams(self, params, flat, bundle, mine, part, lossy)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(self.layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=self.layout.dp_size)
+
+    def ahead(self, params: list, lossy: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, int, Any]:
+        """Stage 1 issued ahead (``runahead.py``): ``(flat, bundle, part, what completes it)``; on streams the bundle
+        is a pinned stash and there is no flat buffer yet ([Note: the run-ahead on streams] in ``staged.py``)."""
+        if self.staged is not None:
+            staged = self.staged.issue(params)
+            return None, staged.stash, staged.part, staged
+        flat, bundle, mine, part = self.buffers(params)
+        return flat, bundle, part, self.stage1(params, bundle, mine, part, lossy, async_op=True)
 
     def stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, lossy: bool,
                async_op: bool) -> Any:

@@ -80,7 +80,9 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from fcdp_deepspeed import faults
+from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting.stats import EventCounters
+from fcdp_deepspeed.runtime.staged import StreamAhead
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
@@ -255,17 +257,16 @@ class RunAhead:
                         or [(_key(g), l) for g, l in self.gather.split(params, count=False)] != [(key, lossy)]:
                     del self.planned[key]
                     continue  # a hit next time (e.g. a frozen parameter filled since), gathered twice, or split anew
-                numel = sum(p.ds_tensor.ds_numel for p in params)
-                nbytes = numel * self.gather.layout.dp_size * params[0].element_size()
+                layout = self.gather.layout  # held: the full group, or on streams its node bundle (staged.py)
+                width = layout.nodes if self.gather.staged is not None else layout.dp_size
+                nbytes = sum(p.ds_tensor.ds_numel for p in params) * width * params[0].element_size()
                 if total + nbytes > self.max_bytes:
                     break  # a prefix of the plan, in order, on every rank alike
                 del self.planned[key]
                 total += nbytes
-                flat, bundle, mine, part = self.gather.buffers(params)
                 # as for a stage 1 issued by its fetch: asynchronous (a compressed one encodes now, decodes when the
                 # fetch's queue waits for it); the test-only skew (FCDP_STAGE1_DELAY) and the trace included
-                work = self.gather.stage1(params, bundle, mine, part, lossy, async_op=True)
-                self.pending[key] = Pending(key, flat, bundle, part, work, nbytes, lossy)
+                self.pending[key] = Pending(key, *self.gather.ahead(params, lossy), nbytes, lossy)
                 issued += 1
                 self.counters.bump(pushed_bytes=nbytes)
         self.counters.bump(**{"rolled" if rolled else "pushed": issued})
@@ -302,11 +303,13 @@ class RunAhead:
 def build_runahead(config: Any, gather: Any, batcher: Any = None) -> Optional[RunAhead]:
     """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead]): the push when
     ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
-    if gather is None or gather.queue is None:
+    if gather is None or (gather.queue is None and not config.param_runahead_streams):
         return None
     budget, start = (config.param_push_bytes, Start.STEP_END) if config.param_push_bytes else \
         (config.param_runahead_bytes, Start.FIRST_FETCH)
     if not budget:
         return None
+    if gather.queue is None:  # streams: [Note: the run-ahead on streams] (staged.py)
+        gather.staged = StreamAhead(gather, device.side_stream("stage1"))
     gather.runahead = RunAhead(gather, budget, batcher=batcher, start=start)
     return gather.runahead

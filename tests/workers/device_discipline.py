@@ -19,6 +19,7 @@ from fcdp_deepspeed import grads
 from fcdp_deepspeed.compress.reference import ReferenceStore
 from fcdp_deepspeed.grads import inflight
 from fcdp_deepspeed.machine import device, strict_device, strict_streams
+from fcdp_deepspeed.runtime import gather as gather_module
 from fcdp_deepspeed.storage.cache import NodeCache
 from fcdp_deepspeed.tools.harness import toy
 from workers import grads as grad_workers
@@ -185,6 +186,13 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
         patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
     elif kind in ("inter_node_wait", "codec_inter_node_wait"):  # completion reads before waiting for the collective
         patches.set(inflight, "grads_broken", lambda what: what == "read_early")
+    elif kind == "ahead_ready":  # the gather stream reads a stash without waiting for its stage 1 (staged.py)
+        patches.set(gather_module, "push_broken", lambda what: what == "read_early")
+    elif kind == "ahead_release":  # stashes dropped without asking their copy's event
+        patches.set(door, "event_done", lambda ev: True)
+    elif kind == "stage1_event":  # a fetch's stage 2 does not wait for its stage 1 on the stage-1 stream
+        patches.set(door, "wait_event", lambda ev: None if origin(ev) == "fcdp_stage1" and _stream_named("fcdp_gather")
+                    else wait_event(ev))
     elif kind == "deferred_release":  # emptied pinned chunks dropped without asking the move's event
         patches.set(door, "event_done", lambda ev: True)
     else:

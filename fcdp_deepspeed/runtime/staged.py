@@ -1,0 +1,159 @@
+"""The run-ahead on an accelerator with streams (NCCL): stage 1 ahead into pinned host memory
+(``fcdp.param_runahead_streams``, opt-in).
+
+[Note: the run-ahead on streams]
+On gloo the run-ahead (``runahead.py``) holds each pending group's stage 1 in host memory because host memory is
+where gloo works. With streams (CUDA, NCCL) the inter-node all-gather must write accelerator memory, and holding
+a pending group's W x P buffer there would be a prefetch paid in accelerator memory, which the node cache exists
+not to need. So a group issued ahead crosses the nodes into a transient accelerator buffer of its node bundle only
+(N x P elements: 1/L of the group) and is copied at once into pinned host memory (the *stash*); the accelerator
+buffer is freed right after, on the stream that used it, so the caching allocator hands the same block to the next
+group: about one bundle of the largest group at a time, whatever the budget. The fetch that takes the group
+copies its stash back into its own flat buffer's bundle and runs stage 2 from there. The bytes that cross the
+nodes are the same; each group also crosses PCIe twice (N x P each way, 1/L of the group).
+
+Streams (see [Note: streams] in ``gather.py`` for the issuing, gather and waiting streams):
+
+- the *stage-1* stream (``HierarchicalGather.inter``, FCDP's own, ``fcdp_stage1`` in strict mode) runs every
+  stage 1 of the engine while this is on: the run-ahead's and a fetch's own (``own_stage1``). One stream for all
+  of the peer group's collectives, in the one order every rank issues them: a collective of one communicator
+  never runs on two streams, and a fetch's stage 2 (on the gather stream) is not queued behind the stage 1s
+  issued ahead of it. A group issued ahead: the stream waits for the optimizer step's event ([Note: the
+  optimizer's writes]), copies this rank's partitions into the bundle, runs stage 1 (``async_op=False``:
+  ordered on this stream), copies the bundle into the stash and records the stash's event;
+- the *gather* stream waits for that event before it copies the stash into the fetch's flat buffer (never read
+  before complete: ``FCDP_BREAK_PUSH=read_early`` skips the wait and strict mode's stream model names the read),
+  then issues stage 2; the stash is dropped only once that copy is known complete on the host (:class:`Stashes`,
+  [Note: deferred release] in ``storage/cache.py``).
+
+Freshness is the run-ahead's own: every invalidation drops the pending groups it names before a fetch can take
+them; a dropped group's stash is retired with its event, and the current stream waits for that event, so a later
+write of the partitions (the next optimizer step) is ordered after the stage-1 stream's read of them.
+
+Off with ``fcdp.param_compression`` (the compressed stage 1 decodes into its references on the gather stream;
+refused by the config check). Unmeasured on a GPU: no accelerator was lent to the sessions that built it, so it
+stays opt-in; ``tests/test_device_discipline.py`` checks its orderings on the CPU with the stream model, the
+values against ZeRO-3 and each ordering's broken variant.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+
+from fcdp_deepspeed.machine import device
+
+
+@dataclass(eq=False)
+class Stashes:
+    """Pinned stashes whose last copy may still run: dropped once their event is done, never before."""
+
+    retired: list = field(default_factory=list)
+
+    def retire(self, stash: torch.Tensor, event: Any) -> None:
+        self.retired.append((stash, event))
+
+    def reap(self) -> None:
+        done, self.retired = device.split_done(self.retired)
+        for stash in done:
+            device.drop_host(stash)
+
+
+@dataclass(eq=False)
+class Staged:
+    """One group's stage 1 issued ahead on streams: its node bundle in pinned host memory once ``event`` is done."""
+
+    stash: torch.Tensor
+    event: Any
+    part: int
+    stashes: Stashes
+
+    def discard(self) -> None:
+        """Dropped unused (an invalidation, or no fetch took it): later work on the current stream (the next
+        optimizer step's writes of the partitions) is ordered after the stage-1 stream's reads."""
+        device.wait_event(self.event)
+        self.stashes.retire(self.stash, self.event)
+
+
+@dataclass(eq=False)
+class StreamAhead:
+    """One engine's stage-1 stream and stashes (see [Note: the run-ahead on streams]); ``gather``: its
+    ``HierarchicalGather`` (not imported: ``gather.py`` imports this module)."""
+
+    gather: Any
+    inter: Any
+    stashes: Stashes = field(default_factory=Stashes)
+
+    def _offsets(self, part: int) -> tuple[int, int]:
+        """``(bundle start in the flat buffer, own slot's offset in the bundle)``, in elements ([Note: the two-stage
+        gather] in ``gather.py``)."""
+        nodes, own = self.gather.layout.nodes, self.gather.own_slot
+        return (own // nodes) * nodes * part, (own % nodes) * part
+
+    def issue(self, params: list) -> Staged:
+        """Stage 1 of ``params`` on the stage-1 stream into a pinned stash."""
+        gather, dtype = self.gather, params[0].ds_tensor.dtype
+        part, nodes = sum(p.ds_tensor.ds_numel for p in params), gather.layout.nodes
+        with device.stream(self.inter):
+            bundle = device.accel_empty(nodes * part, dtype)  # allocated, used and freed on this stream
+            mine = copy_partitions(params, bundle.narrow(0, self._offsets(part)[1], part), gather.stepped)
+            dist.allgather_fn(bundle, mine, group=gather.peer_group, async_op=False)  # ordered on this stream
+            stash = device.to_host(bundle, out=device.pin_empty(nodes * part, dtype))
+            event = device.record_event()
+        self.stashes.reap()
+        return Staged(stash, event, part, self.stashes)
+
+    def stage2(self, staged: Staged, read_early: bool = False) -> tuple[torch.Tensor, Any]:
+        """A new flat buffer (issuing stream) and, on the gather stream, the stash copied into its bundle after the
+        stash's event, then stage 2: ``(flat, stage 2's work)``."""
+        gather, part = self.gather, staged.part
+        flat = device.accel_empty(part * gather.layout.dp_size, staged.stash.dtype)
+        bundle = flat.narrow(0, self._offsets(part)[0], gather.layout.nodes * part)
+        issuing = device.current_stream()
+        with device.stream(gather.stream):
+            device.wait_stream(issuing)  # the flat buffer's allocation
+            device.record_stream(flat)
+            if not read_early:  # test-only: FCDP_BREAK_PUSH=read_early
+                device.wait_event(staged.event)
+            device.to_accel(staged.stash, out=bundle)
+            self.stashes.retire(staged.stash, device.record_event())
+            work = dist.allgather_fn(flat, bundle, group=gather.node_group, async_op=True)
+        self.stashes.reap()  # the stashes whose copies are done (never this one before its copy ran)
+        return flat, work
+
+
+def copy_partitions(params: list, mine: torch.Tensor, stepped: Any) -> torch.Tensor:
+    """This rank's partitions of ``params`` copied into ``mine`` on the current stream; returns ``mine``.
+
+    [Note: the optimizer's writes] The partitions were last written by the optimizer step on the step's stream,
+    which the issuing stream (DeepSpeed's all-gather stream) is not ordered after: in 0.19.8 only the throughput
+    timer's device synchronize (from step 2, when enabled) orders them. FCDP's copy waits for ``stepped`` (the
+    event ``FCDPRuntime.on_step_end`` records)."""
+    device.wait_event(stepped)
+    offset = 0
+    for p in params:  # host-resident under offload_param: an async copy
+        device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
+        offset += p.ds_tensor.ds_numel
+    return mine
+
+
+def stages_on_streams(gather: Any, params: list, flat: torch.Tensor, bundle: torch.Tensor, mine: torch.Tensor,
+                      part: int, lossy: bool) -> Any:
+    """A fetch's two stages on streams ([Note: streams] in ``gather.py``): stage 1 on the gather stream, or with the
+    run-ahead on the stage-1 stream (after every stage 1 issued ahead of it) and the gather stream waiting for it;
+    then stage 2 from the gather stream. Returns stage 2's work."""
+    issuing, inter = device.current_stream(), gather.staged.inter if gather.staged is not None else gather.stream
+    with device.stream(inter):
+        device.wait_stream(issuing)  # the partition copies above
+        device.record_stream(flat)  # allocated on the issuing stream, written on this one
+        gather.stage1(params, bundle, mine, part, lossy, async_op=False)  # ordered by the stream
+        done = device.record_event() if inter is not gather.stream else None
+    with device.stream(gather.stream):
+        if done is not None:
+            device.wait_stream(issuing)
+            device.record_stream(flat)
+            device.wait_event(done)
+        return dist.allgather_fn(flat, bundle, group=gather.node_group, async_op=True)
