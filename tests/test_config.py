@@ -174,6 +174,9 @@ def test_hf_log_entries_from_stats():
     ({"grad_reduce": "hier"}, "(did you mean 'hierarchical'?)"),
     ({"verify": "yes"}, "fcdp.verify = 'yes': expected true, false or a sampling rate in (0, 1]"),
     ({"ranks_per_node": "two"}, "fcdp.ranks_per_node = 'two': expected a whole number >= 1. Fix: set"),
+    # the run-ahead on streams gathers exact parameters only (runtime/staged.py)
+    ({"param_runahead_streams": True, "param_compression": "int8"},
+     'fcdp.param_runahead_streams = true with fcdp.param_compression = "int8"'),
 ])
 def test_one_message_per_bad_key_with_the_fix(block, expected):
     with pytest.raises(FCDPConfigError) as err:

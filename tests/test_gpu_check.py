@@ -48,7 +48,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert {c["name"]: c["passed"] for c in a["checks"]}["param 1: equals the reference sum"] is True
     b = report["cases"]["b_fake_pg"]
     assert set(b["numbers"]["runs"]) == {"zero3", "host", "device", "auto", "node_host", "zero3_same_bucket", "host_sync",
-                                         "large_host"}
+                                         "large_host", "host_ahead"}
     for run in b["numbers"]["runs"].values():
         assert {"peak_allocated", "peak_reserved", "seconds", "trace", "losses", "stats"} <= set(run)
         assert len(run["peak_allocated"]) == 3 and {"syncs", "sync_memcpys", "overlap_fraction"} <= set(run["trace"][0])
@@ -57,6 +57,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert checks["deepspeed.init_distributed adopts the fake group"] is True
     assert checks["host: cache served hits"] is True and checks["node_host: gradient buffer on the host"] is True
     assert checks["node_host: the gated block's window sums were flushed"] is True
+    assert checks["host_ahead: stage 1s issued ahead were used"] is True  # the gloo run-ahead here; NCCL: staged.py
     for name in ("host", "device", "auto", "node_host"):  # full fine-tuning refills every applied step
         run = b["numbers"]["runs"][name]
         assert run["skipped"] == [0, 0, 0] and all(run["fills"]) and len(run["hits"]) == 3, run

@@ -52,9 +52,10 @@ Correctness:
 Memory: a pending group holds its full gathered size (W x P elements), at most ``fcdp.param_push_bytes``
 together (the host budget of the run-ahead; 0 turns it off), refilled as fetches take groups ([Note: a rolling
 push]); a compressed one also holds its messages, the references it read (copies on an accelerator) and an fp32
-copy of its own partition (not counted: together at most about (N + 3)/W of that size). Host-communication
-backends only (gloo): on an accelerator with streams the stages are already stream-ordered without a host wait ([Note: streams] in
-``gather.py``), and a pushed buffer would need accelerator memory and a stream model of its own (not done).
+copy of its own partition (not counted: together at most about (N + 3)/W of that size). That is on gloo. On an
+accelerator with streams (NCCL) the run-ahead is opt-in (``fcdp.param_runahead_streams``): a pending group is its
+node bundle in pinned host memory (N x P elements, counted against the same budget), exact groups only ([Note: the
+run-ahead on streams] in ``staged.py``).
 
 [Note: compressed groups run ahead] With ``fcdp.param_compression`` a group whose stage 1 is compressed runs ahead
 too: it is encoded when it is issued (against the references of that moment) and decoded, writing the new references,
@@ -149,7 +150,8 @@ class Pending:
     def drop(self) -> None:
         """Complete the collective (every peer issued it) without using it: a compressed one decodes nothing and
         writes no reference."""
-        getattr(self.work, "discard", self.work.wait)()
+        discard = getattr(self.work, "discard", None)  # a StageOne, or on streams a Staged (staged.py)
+        discard() if discard is not None else self.work.wait()
 
 
 @dataclass(eq=False)

@@ -121,6 +121,8 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
     flat = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's summation order: bit-identical
     variants = {"zero3": (None, {}), "host": (node(cache_device="host", **flat), {}),
                 "device": (node(cache_device="device", **flat), {}),
+                # the run-ahead on streams (runtime/staged.py, opt-in): stage 1 ahead through pinned stashes
+                "host_ahead": (node(cache_device="host", param_runahead_streams=True, **flat), {}),
                 "zero3_ga2": (None, {"grad_accum": 2}),
                 "hierarchical_ga2": (node(cache_device="host", grad_reduce="hierarchical", grad_accumulation="rank"),
                                      {"grad_accum": 2}),
@@ -136,6 +138,10 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
         run = toy.train(engine, max(steps, 5), hidden=hidden, dtype=dtype)  # >= 4 timed steps after the first
         get_accelerator().synchronize()
         out[name] = {"losses": run.losses, "step_times": run.step_times}
+        if name == "host_ahead":
+            stats = fcdp_deepspeed.get_stats(engine)
+            out[name]["stats"] = {k: stats.get(k) for k in ("param_push_groups", "param_push_used",
+                                                            "param_push_cancelled", "param_push_unused")}
         if name == "host":  # one more step, traced: the two-stage gather's stages on real NCCL
             out[name]["gather_timeline"] = _traced_step(engine, hidden, per_node)
             stats = fcdp_deepspeed.get_stats(engine)
@@ -168,8 +174,11 @@ def multi_gpu_case(results: list[dict], per_node: int) -> CaseResult:
         return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
 
     for r, run in enumerate(results):
-        for name in ("host", "device"):
+        for name in ("host", "device", "host_ahead"):
             res.check(f"rank {r} {name}: losses bit-identical to ZeRO-3", run[name]["losses"] == run["zero3"]["losses"])
+        ahead = run["host_ahead"]["stats"]
+        res.check(f"rank {r} host_ahead: stage 1s issued ahead were used", (ahead["param_push_used"] or 0) > 0,
+                  str(ahead))
         for name in ("hierarchical_ga2", "node_ga2"):
             err = rel(run[name]["losses"], run["zero3_ga2"]["losses"])
             res.check(f"rank {r} {name}: losses within 1e-5 of ZeRO-3 (fp32)", err <= 1e-5, f"max rel {err:.2e}")
@@ -186,7 +195,7 @@ def multi_gpu_case(results: list[dict], per_node: int) -> CaseResult:
                   timeline.get("ordered"), f"{len(timeline.get('nccl_kernels') or [])} NCCL all-gather kernels",
                   applicable=timeline.get("ordered") is not None)
     median = {n: statistics.median(results[0][n]["step_times"][1:] or results[0][n]["step_times"])
-              for n in ("zero3", "host", "device", "hpz")}
+              for n in ("zero3", "host", "device", "host_ahead", "hpz")}
     res.numbers["rank0_median_step_seconds"] = median
     res.numbers["rank0_step_time_vs_zero3"] = {n: t / median["zero3"] for n, t in median.items()}
     return res

@@ -122,7 +122,8 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
                                               "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
                                               "grad_buffer_device_bytes", "grad_flushed", "memory",
-                                              "hierarchical_gathers")}
+                                              "hierarchical_gathers", "param_push_groups", "param_push_used",
+                                              "param_push_cancelled", "param_push_unused")}
     del engine, model
     return out
 
@@ -250,7 +251,9 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     # ``host_sync``: the stages not in flight (``grad_inflight_buckets: 0``), a number to attribute the extra.
     variants = {"zero3": None, "host": {"cache_device": "host"},
                 "device": {"cache_device": "device", "device_budget": "50%"}, "auto": {"cache_device": "auto"},
-                "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"}}
+                "node_host": {"cache_device": "host", "grad_accumulation": "node", "grad_buffer_device": "host"},
+                # issue 31: the run-ahead on streams (runtime/staged.py), opt-in until this case has run on a GPU
+                "host_ahead": {"cache_device": "host", "param_runahead_streams": True}}
     fcdp_variants = [n for n in variants if n != "zero3"]
     runs: dict[str, dict] = {}
     with fake_node_discovery(ranks_per_node=2):
@@ -279,7 +282,7 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
     res.numbers["extra_over_same_bucket_in_buckets"] = {
         n: round((max(runs[n]["peak_allocated"]) - max(zs["peak_allocated"])) / bucket_bytes, 3)
         for n in ("host", "node_host", "host_sync")}
-    for name in ("host", "node_host"):
+    for name in ("host", "node_host", "host_ahead"):
         for kind in ("allocated", "reserved"):
             a, b, c = max(runs[name][f"peak_{kind}"]), max(z[f"peak_{kind}"]), max(zs[f"peak_{kind}"])
             res.check(f"{name}: peak {kind} at most ZeRO-3's (+5%)", at_most(a, b), f"{a} vs {b} bytes {why}", on_gpu)
@@ -296,6 +299,10 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
               and not node["grad_buffer_device_bytes"], f"{node['grad_buffer_host_bytes']} host bytes")
     res.check("node_host: the gated block's window sums were flushed", (node["grad_flushed"] or 0) > 0,
               f"{node['grad_flushed']} flushed")
+    ahead = runs["host_ahead"]["stats"]
+    res.check("host_ahead: stage 1s issued ahead were used", (ahead["param_push_used"] or 0) > 0,
+              f"{ahead['param_push_groups']} issued, {ahead['param_push_used']} used, "
+              f"{ahead['param_push_cancelled']} cancelled, {ahead['param_push_unused']} unused")
     for name in fcdp_variants:
         res.check(f"{name}: cache served hits", (runs[name]["stats"]["cache_hits"] or 0) > 0,
                   f"{runs[name]['stats']['cache_hits']} hits")
