@@ -107,6 +107,9 @@ def test_deepspeed_accepts_the_top_level_block():
     ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, {}, "nvme"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}, {}, "super_offload"),
     ({"stage": 3}, {"compile": {"deepcompile": True}}, "deepcompile"),
+    # the run-ahead on streams copies partitions on its own stream: pageable ones would hold the host (staged.py)
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, {"fcdp": {"enabled": True, "param_runahead_streams": True}},
+     "offload_param.pin_memory true"),
 ])
 def test_incompatible_deepspeed_configs_are_refused(zero, extra, needle):
     with pytest.raises(FCDPConfigError) as err:

@@ -51,7 +51,12 @@ SCENARIOS = [
     dict(name="host_full_flat_ahead", fcdp={"cache_device": "host", **FLAT, "param_runahead_streams": True},
          grad_accum=2, gate={0}, steps=3, top=TOP),
     dict(name="host_full_flat_push_edit", fcdp={"cache_device": "host", **FLAT, "param_runahead_streams": True,
-                                                "param_push_bytes": 2**30}, grad_accum=1, steps=3, edit=True, top=TOP),
+                                                "param_push_bytes": 2**30}, grad_accum=1, steps=3, edit="first", top=TOP),
+    # a rolling push of about one group: the last weight's group is still planned when it is edited and issued after
+    # the edit, its copy waiting for the edit's event (not a broken variant: DeepSpeed's GatheredParameters exit
+    # leaves the host ordered after the edit's write, so the stream model cannot see the copy race it)
+    dict(name="host_full_flat_roll_edit", fcdp={"cache_device": "host", **FLAT, "param_runahead_streams": True,
+                                                "param_push_bytes": 9000}, grad_accum=1, steps=3, edit="last", top=TOP),
     dict(name="device_full_flat_ahead_own", fcdp={"cache_device": "device", **FLAT, "param_runahead_streams": True,
                                                   "param_runahead_bytes": 1}, grad_accum=1, steps=3, top=TOP),
 ]

@@ -439,6 +439,12 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     if zero.zero_quantized_weights or zero.zero_quantized_nontrainable_weights:
         problems.append("zero_optimization.zero_quantized_weights / zero_quantized_nontrainable_weights (ZeRO++ qwZ) "
                         "are not supported with fcdp. Fix: set them to false")
+    offload = (dict(ds_config).get("zero_optimization") or {}).get("offload_param") or {}
+    if fcdp.param_runahead_streams and str(offload.get("device", "none")) == "cpu" and not offload.get("pin_memory"):
+        problems.append("fcdp.param_runahead_streams with zero_optimization.offload_param on pageable host memory "
+                        "(pin_memory false, DeepSpeed's default): each run-ahead copy of a partition would hold the host "
+                        "until the stage-1 stream's queued inter-node transfers ran (runtime/staged.py). Fix: set "
+                        "offload_param.pin_memory true, or param_runahead_streams false")
     if ds_compat.offload_device(zero, "offload_param") == "nvme":
         problems.append("zero_optimization.offload_param.device = nvme is not supported with fcdp. "
                         "Fix: use \"cpu\" or \"none\"")

@@ -27,6 +27,7 @@ its own concern, :mod:`fcdp_deepspeed.grads`: it shares this runtime's topology 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -52,6 +53,7 @@ from fcdp_deepspeed.runtime.promotion import Promotion
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.report import Report
 from fcdp_deepspeed.runtime.runahead import RunAhead, build_runahead
+from fcdp_deepspeed.runtime.staged import partitions_edited
 from fcdp_deepspeed.storage.cache import NodeCache
 
 __all__ = ["FCDPRuntime", "StaleCacheError"]
@@ -130,6 +132,10 @@ class FCDPRuntime:
         for param in params:
             self.fetch.wrap(param)
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
+        if gather is not None and device.current().has_streams():  # [Note: the optimizer's writes] (staged.py)
+            self.invalidation.listeners.append(functools.partial(partitions_edited, gather))
+            for hook in self.attachment.hooks:
+                hook.listeners.append(lambda param, updated, g=gather: updated and partitions_edited(g))
         self.runahead = build_runahead(self.config, gather, batcher)
         if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
             self.invalidation.listeners.append(self.runahead.cancel)

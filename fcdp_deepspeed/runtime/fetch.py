@@ -233,7 +233,8 @@ class FetchPath:
         return checks
 
     def _lossy(self, param: torch.nn.Parameter) -> bool:
-        return self.gather is not None and self.gather.lossy(param)
+        compression = self.gather.compression if self.gather is not None else None
+        return compression is not None and compression.lossy(param)  # compressed: verify compares exact values only
 
     def _fall_back(self, reason: str, count: int) -> None:
         if self.counters.gather_fell_back(reason, count) and dist.get_rank() == 0:

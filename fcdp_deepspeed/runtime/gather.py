@@ -100,6 +100,8 @@ class HierarchicalGather:
     compression: Optional[ParamCompression] = None
     #: Event after the last optimizer step, on the stream it ran on ([Note: the optimizer's writes]).
     stepped: Any = None
+    #: Event after the last write of partitions outside the optimizer step (``staged.partitions_edited``).
+    edited: Any = None
     #: ``fcdp.param_push_bytes``: stage 1 issued ahead at the step's end (``runahead.py``); ``None``: off.
     runahead: Optional[RunAhead] = None
     #: Without streams: the deferred stage 2s, issued in FIFO order at the waits (``sequencer.py``).
@@ -161,17 +163,13 @@ class HierarchicalGather:
         :meth:`split`). The run-ahead pushes exactly these groups (``runahead.py``)."""
         return [part for unit in units(params, self.owner, per_module) for part in self.split(unit, count)]
 
-    def lossy(self, param: torch.nn.Parameter) -> bool:
-        """Whether ``param``'s last two-stage gather was compressed (verify compares exact values only)."""
-        return self.compression is not None and self.compression.lossy(param)
-
     def buffers(self, params: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``(flat, bundle, mine, part)`` for a gather of ``params``: the W*P buffer with this rank's partitions
         copied into its slot, its node-position bundle (stage 1's output) and its own slot (stage 1's input)."""
         layout, dtype = self.layout, params[0].ds_tensor.dtype
         part, nodes, own = sum(p.ds_tensor.ds_numel for p in params), layout.nodes, self.own_slot
         flat = device.accel_empty(part * layout.dp_size, dtype)
-        mine = copy_partitions(params, flat.narrow(0, own * part, part), self.stepped)  # on the issuing stream
+        mine = copy_partitions(params, flat.narrow(0, own * part, part), self.stepped, self.edited)  # issuing stream
         return flat, flat.narrow(0, (own // nodes) * nodes * part, nodes * part), mine, part
 
     def _issue_one(self, params: list, lossy: bool = False, unit: Optional[list] = None) -> AllGatherCoalescedHandle:

@@ -14,26 +14,36 @@ nodes are the same; each group also crosses PCIe twice (N x P each way, 1/L of t
 
 Streams (see [Note: streams] in ``gather.py`` for the issuing, gather and waiting streams):
 
-- the *stage-1* stream (``HierarchicalGather.inter``, FCDP's own, ``fcdp_stage1`` in strict mode) runs every
-  stage 1 of the engine while this is on: the run-ahead's and a fetch's own (``own_stage1``). One stream for all
-  of the peer group's collectives, in the one order every rank issues them: a collective of one communicator
-  never runs on two streams, and a fetch's stage 2 (on the gather stream) is not queued behind the stage 1s
-  issued ahead of it. A group issued ahead: the stream waits for the optimizer step's event ([Note: the
-  optimizer's writes]), copies this rank's partitions into the bundle, runs stage 1 (``async_op=False``:
-  ordered on this stream), copies the bundle into the stash and records the stash's event;
+- the *stage-1* stream (``StreamAhead.inter``, FCDP's own, ``fcdp_stage1`` in strict mode) runs every stage 1
+  of the gather while this is on: the run-ahead's and a fetch's own (:func:`stages_on_streams`), in the one order
+  every rank issues them, so a fetch's stage 2 (on the gather stream) is not queued behind the stage 1s issued
+  ahead of it. (The peer group's communicator is also used by the gradient's inter-node stage, from the
+  process group's own stream: NCCL runs one communicator's kernels in launch order whatever their streams, and
+  every rank launches them in one order.) A group issued ahead: the stream waits for the events after the last
+  writes of the partitions ([Note: the optimizer's writes]), copies this rank's partitions into the bundle, runs
+  stage 1 (``async_op=False``: on the current stream from torch 2.8, no host wait), copies the bundle into the
+  stash and records the stash's event;
 - the *gather* stream waits for that event before it copies the stash into the fetch's flat buffer (never read
   before complete: ``FCDP_BREAK_PUSH=read_early`` skips the wait and strict mode's stream model names the read),
   then issues stage 2; the stash is dropped only once that copy is known complete on the host (:class:`Stashes`,
   [Note: deferred release] in ``storage/cache.py``).
 
 Freshness is the run-ahead's own: every invalidation drops the pending groups it names before a fetch can take
-them; a dropped group's stash is retired with its event, and the current stream waits for that event, so a later
-write of the partitions (the next optimizer step) is ordered after the stage-1 stream's read of them.
+them, and records an event on the stream that wrote the partitions (``edited``, waited for with ``stepped`` by
+every later copy of partitions, including a planned group issued after the edit). A dropped group's stash is
+retired with its event and nothing waits for it: its read of the partitions may race a later write of them (the
+next optimizer step), which only tears a stash nobody reads.
 
-Off with ``fcdp.param_compression`` (the compressed stage 1 decodes into its references on the gather stream;
-refused by the config check). Unmeasured on a GPU: no accelerator was lent to the sessions that built it, so it
-stays opt-in; ``tests/test_device_discipline.py`` checks its orderings on the CPU with the stream model, the
-values against ZeRO-3 and each ordering's broken variant.
+Refused with ``fcdp.param_compression`` (the compressed stage 1 decodes into its references on the gather stream)
+and with partitions offloaded to pageable host memory (each copy would hold the host behind the stage-1 stream's
+queue). Stashes come from torch's caching host allocator (reused from the second step; rounded up to a power of two,
+and not counted against the budget while retired); with ``DS_PIN_MEMORY_BACKEND=native`` each is a fresh
+page-locked allocation. Before torch 2.8 a synchronous NCCL collective runs on the process group's stream and is
+waited for (a host wait under ``TORCH_NCCL_BLOCKING_WAIT``), as the gather's stage 1 always did. A fetch's own stage
+1 waits for the issuing stream (its partition copies), and so for DeepSpeed's waits queued there, as the gather
+stream did before. Unmeasured on a GPU: no accelerator was lent to the sessions that built it, so it stays opt-in;
+``tests/test_device_discipline.py`` checks its orderings on the CPU with the stream model, the values against
+ZeRO-3 and each ordering's broken variant.
 """
 from __future__ import annotations
 
@@ -72,9 +82,7 @@ class Staged:
     stashes: Stashes
 
     def discard(self) -> None:
-        """Dropped unused (an invalidation, or no fetch took it): later work on the current stream (the next
-        optimizer step's writes of the partitions) is ordered after the stage-1 stream's reads."""
-        device.wait_event(self.event)
+        """Dropped unused (an invalidation, or no fetch took it): retired with its event; nothing waits for it."""
         self.stashes.retire(self.stash, self.event)
 
 
@@ -99,7 +107,7 @@ class StreamAhead:
         part, nodes = sum(p.ds_tensor.ds_numel for p in params), gather.layout.nodes
         with device.stream(self.inter):
             bundle = device.accel_empty(nodes * part, dtype)  # allocated, used and freed on this stream
-            mine = copy_partitions(params, bundle.narrow(0, self._offsets(part)[1], part), gather.stepped)
+            mine = copy_partitions(params, bundle.narrow(0, self._offsets(part)[1], part), gather.stepped, gather.edited)
             dist.allgather_fn(bundle, mine, group=gather.peer_group, async_op=False)  # ordered on this stream
             stash = device.to_host(bundle, out=device.pin_empty(nodes * part, dtype))
             event = device.record_event()
@@ -125,14 +133,17 @@ class StreamAhead:
         return flat, work
 
 
-def copy_partitions(params: list, mine: torch.Tensor, stepped: Any) -> torch.Tensor:
-    """This rank's partitions of ``params`` copied into ``mine`` on the current stream; returns ``mine``.
+def copy_partitions(params: list, mine: torch.Tensor, *written: Any) -> torch.Tensor:
+    """This rank's partitions of ``params`` copied into ``mine`` on the current stream, after the ``written`` events;
+    returns ``mine``.
 
     [Note: the optimizer's writes] The partitions were last written by the optimizer step on the step's stream,
     which the issuing stream (DeepSpeed's all-gather stream) is not ordered after: in 0.19.8 only the throughput
     timer's device synchronize (from step 2, when enabled) orders them. FCDP's copy waits for ``stepped`` (the
-    event ``FCDPRuntime.on_step_end`` records)."""
-    device.wait_event(stepped)
+    event ``FCDPRuntime.on_step_end`` records) and ``edited`` (the last write outside the step, e.g. a
+    ``GatheredParameters`` edit: :func:`partitions_edited`)."""
+    for event in written:
+        device.wait_event(event)
     offset = 0
     for p in params:  # host-resident under offload_param: an async copy
         device.to_accel(p.ds_tensor, out=mine.narrow(0, offset, p.ds_tensor.ds_numel))
@@ -157,3 +168,9 @@ def stages_on_streams(gather: Any, params: list, flat: torch.Tensor, bundle: tor
             device.record_stream(flat)
             device.wait_event(done)
         return dist.allgather_fn(flat, bundle, group=gather.node_group, async_op=True)
+
+
+def partitions_edited(gather: Any, *_: Any) -> None:
+    """An invalidation event or ``partition(has_been_updated=True)`` (listener arguments ignored): the partitions may
+    have been written on the current stream; later copies of partitions wait for this event too."""
+    gather.edited = device.record_event()

@@ -103,18 +103,20 @@ def _run(sc: dict, fcdp: bool) -> dict:
                 micro += 1
             per_step.append([(e.kind, e.owner, e.site) for e in log.since(mark)])
             if sc.get("edit"):  # a GatheredParameters edit between steps (the same values): an invalidation event
-                _edit_first_weight(engine)
+                _edit_weight(engine, sc["edit"])
     weights = toy.gather_weights(engine)
     return {"losses": [float(v) for v in losses], "weights": weights if dist.get_rank() == 0 else {},
             "syncs": per_step, "stats": fcdp_deepspeed.get_stats(engine), "door": type(device.current()).__name__,
             "optimizer": type(engine.optimizer).__name__, "cpu_seconds": time.process_time() - cpu}
 
 
-def _edit_first_weight(engine) -> None:
-    """``GatheredParameters`` with a modifier rank on the first weight, unchanged values: DeepSpeed re-partitions it
-    with ``has_been_updated`` (the run-ahead drops what holds it, ``runtime/runahead.py``), in ZeRO-3 and FCDP alike."""
+def _edit_weight(engine, which: str) -> None:
+    """``GatheredParameters`` with a modifier rank on the ``which`` ("first" or "last") weight, unchanged values:
+    DeepSpeed re-partitions it with ``has_been_updated`` (the run-ahead drops what holds it, ``runtime/runahead.py``),
+    in ZeRO-3 and FCDP alike."""
     import deepspeed
-    weight = next(p for p in engine.module.parameters() if len(p.ds_shape) == 2)
+    weights = [p for p in engine.module.parameters() if len(p.ds_shape) == 2]
+    weight = weights[0] if which == "first" else weights[-1]
     with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
         if dist.get_rank() == 0:
             weight.data.mul_(1.0)
