@@ -160,6 +160,9 @@ def _adversarial(gen: torch.Generator, rows: int, n: int, dtype: torch.dtype):
     ties = torch.randint(-20, 20, (rows, n), generator=gen).float() / 2  # round-half-to-even ties
     yield "ties", ties
     if dtype == torch.float32:
+        from fcdp_deepspeed.compress.quant import exact_ties
+        for q in (7, 127):  # every code a tie of round-half-to-even (int4's, then int8's)
+            yield f"exact ties {q}", torch.stack([exact_ties(n, q, gen) for _ in range(rows)])
         yield "huge", x * 1e37  # [Note: butterfly range]
         yield "tiny", x * 1e-41
         m = x.clone()
@@ -203,3 +206,87 @@ def test_bf16_codec_is_a_deterministic_cast_at_two_bytes():
     packed, decoded = codec.roundtrip(x)
     assert packed.dtype == torch.uint8 and packed.numel() == 2002
     assert torch.equal(decoded, x.to(torch.bfloat16).float()) and torch.equal(codec.decode(packed, 1001), decoded)
+
+
+# -- the fused CPU codec ([Note: the fused CPU codec] in compress/native.py) -----------------------------------------
+@pytest.fixture(scope="module")
+def kernel():
+    from fcdp_deepspeed.compress import native
+    return native.Kernel(native.build())
+
+
+@pytest.mark.parametrize("bits,rotate,block", [(8, False, 128), (4, False, 128), (4, True, 128), (4, True, 16),
+                                               (8, False, 10), (4, False, 10), (4, True, 8), (4, True, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cpu_codec_gives_the_torch_ops_bytes_and_bits(kernel, monkeypatch, bits, rotate, block, dtype):
+    """The C kernel behind ``encode_rows``/``decode_rows`` on CPU tensors: the torch ops' bytes and decoded bits on
+    the adversarial rows (NaN payloads and signed zeros included), one row and several, padded tails, strided input
+    rows and strided messages (an all-to-all's rows in a larger buffer)."""
+    from fcdp_deepspeed.compress import quant
+    monkeypatch.setattr(quant, "cpu_kernel", lambda: kernel)
+    codec = BlockCodec(f"int{bits}", block, bits=bits, rotate=rotate)
+    gen = torch.Generator().manual_seed(block + bits)
+    for rows in (1, 3):
+        for n in (1, block, 3 * block + 5, 40 * block + 3):
+            for kind, x in _adversarial(gen, rows, n, dtype):
+                x = x.to(dtype)
+                want = codec.torch_encode_rows(x)
+                assert torch.equal(codec.encode_rows(x), want), (kind, rows, n)
+                assert torch.equal(_bits(codec.decode_rows(want, n)), _bits(codec.torch_decode_rows(want, n))), (kind, rows, n)
+    x = torch.randn(2, 9 * block + 40, generator=gen)[:, 40:]  # strided rows
+    assert torch.equal(codec.encode_rows(x), codec.torch_encode_rows(x))
+    wide = torch.zeros(2, codec.wire_numel(x.shape[1]) + 8, dtype=torch.uint8)
+    wide[:, 8:] = codec.torch_encode_rows(x)
+    assert torch.equal(_bits(codec.decode_rows(wide[:, 8:], x.shape[1])),
+                       _bits(codec.torch_decode_rows(wide[:, 8:].contiguous(), x.shape[1])))
+
+
+@pytest.mark.parametrize("broken", ["FCDP_BREAK_ROUND", "FCDP_BREAK_SCALE"])
+def test_a_fused_codec_with_other_arithmetic_fails_its_check_and_is_not_used(tmp_path, monkeypatch, caplog, broken):
+    """Broken variants of the kernel, built from the same source: rounding half away from zero instead of to even,
+    the scale applied as a reciprocal multiplication instead of a division. Each changes only some elements' bits;
+    the load-time check (``kernel_agrees``) finds it and ``cpu_kernel`` falls back to the torch ops with a warning
+    (``FCDP_CODEC_KERNEL=native`` refuses instead). The correct build passes the same check."""
+    import logging
+
+    from fcdp_deepspeed.compress import native, quant
+    good = native.Kernel(native.build(directory=tmp_path))
+    bad = native.Kernel(native.build(extra=(f"-D{broken}",), directory=tmp_path))
+    assert quant.kernel_agrees(good) and not quant.kernel_agrees(bad)
+    monkeypatch.setattr(native, "load", lambda: bad)
+    quant.cpu_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fcdp_deepspeed.compress.quant"):
+            assert quant.cpu_kernel() is None
+        assert "differs from the torch ops" in caplog.text
+        quant.cpu_kernel.cache_clear()
+        monkeypatch.setenv("FCDP_CODEC_KERNEL", "native")
+        with pytest.raises(RuntimeError, match="FCDP_CODEC_KERNEL=native"):
+            quant.cpu_kernel()
+    finally:
+        quant.cpu_kernel.cache_clear()
+
+
+def test_the_codec_kernel_switch(monkeypatch, tmp_path):
+    """``FCDP_CODEC_KERNEL``: ``torch`` loads nothing; a bad value names the variable and its values; ``auto``
+    without a compiler warns and falls back, ``native`` without one refuses."""
+    from fcdp_deepspeed.compress import native
+    monkeypatch.setenv("FCDP_CODEC_KERNEL", "torch")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        monkeypatch.setenv("FCDP_CODEC_KERNEL", "fast")
+        with pytest.raises(ValueError, match="FCDP_CODEC_KERNEL='fast': expected one of auto, torch, native"):
+            native.mode()
+        monkeypatch.setenv("FCDP_KERNEL_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", "no-such-cc")
+        monkeypatch.setenv("PATH", str(tmp_path))
+        monkeypatch.setenv("FCDP_CODEC_KERNEL", "auto")
+        native.load.cache_clear()
+        assert native.load() is None
+        monkeypatch.setenv("FCDP_CODEC_KERNEL", "native")
+        native.load.cache_clear()
+        with pytest.raises(RuntimeError, match="FCDP_CODEC_KERNEL=native: the fused CPU codec did not build"):
+            native.load()
+    finally:
+        native.load.cache_clear()

@@ -87,6 +87,9 @@ SCENARIOS = [
     dict(name="lora_budget", fcdp={**HIER, **INT8, "grad_buffer_budget": LORA_BUDGET}, lora_rank=2, steps=2),
     # the residuals cannot be allocated on rank 1: every rank crosses exact
     dict(name="alloc_fault", fcdp={**HIER, **INT8}, steps=1, fault="alloc_residual_host@1"),
+    # both hops int4 (rotated gradient blocks, plain parameter blocks), through the fused CPU codec and the torch ops
+    *[dict(name=f"both_int4_{kernel}", fcdp={**NODE, **INT4, "param_compression": "int4"}, grad_accum=2, steps=3,
+           codec_kernel=kernel) for kernel in ("native", "torch")],
 ]
 REFUSALS = [
     dict(fcdp={**INT8, "grad_reduce": "flat"}),
@@ -127,6 +130,21 @@ def test_a_broken_exchange_fails_the_identity_guard(runs, kind):
     wrong peers, blocks decoded in the wrong order) is off by far more than rounding at the first boundary."""
     errors = [rel(per_rank[f"broken_{kind}"]["grads"][0], per_rank["off_node"]["grads"][0]) for per_rank in runs]
     assert max(errors) > 5e-3, errors
+
+
+def test_the_fused_cpu_codec_trains_bit_for_bit_like_the_torch_ops(runs):
+    """[Note: the fused CPU codec]: the same int4/int4 job with the C kernel and with the torch ops has the same losses,
+    gradients' replicas and final weights on every rank, bit for bit; the kernel ran (a rank that could not build
+    it would have fallen back to the torch ops and proven nothing)."""
+    for per_rank in runs:
+        native, ops = per_rank["both_int4_native"], per_rank["both_int4_torch"]
+        assert native["codec_kernel"] and not ops["codec_kernel"]
+        assert native["losses"] == ops["losses"] and native["hash"] == ops["hash"]
+        assert native["replicas"] == ops["replicas"]
+        stats = native["stats"][-1]
+        assert stats["grad_compressed_exchanges"] > 0 and stats["inter_node_param_compressed_bytes"] > 0
+    weights = runs[0]["both_int4_native"]["weights"]
+    assert weights and all(torch.equal(w, runs[0]["both_int4_torch"]["weights"][k]) for k, w in weights.items())
 
 
 REPLICA_RUNS = ("int8_hier", "int4_hier_device", "lora_budget", "overflow", "clip_int4", "int8_bf16", "int4_fp16",

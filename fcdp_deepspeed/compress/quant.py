@@ -27,16 +27,20 @@ overflowed fp16 gradient stays an overflow (DeepSpeed's check skips the step), n
 clamped value.
 
 Everything runs with torch ops on the input's device (the accelerator on CUDA), on the current
-stream: no host synchronization, no host reads.
+stream: no host synchronization, no host reads. On a CPU device the same arithmetic runs in a fused C kernel
+where it builds ([Note: the fused CPU codec] in ``native.py``): the same bytes and bits, a few times faster.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Optional
 
 import torch
 
+from fcdp_deepspeed.compress import native
 from fcdp_deepspeed.config import DEFAULT_BLOCK  # elements per scale block: fcdp.compression_block's default
 
 CodecName = Literal["off", "int8", "int4"]
@@ -204,8 +208,29 @@ class BlockCodec(Codec):
         return self.decode_rows(packed.view(1, -1), numel).view(-1)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``encode(x[r])``'s bytes. Rotated blocks
-        are quantized as columns, where the rotation leaves them ([Note: blocks as columns])."""
+        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``encode(x[r])``'s bytes. On a CPU device
+        the fused kernel where it loaded ([Note: the fused CPU codec]), else :meth:`torch_encode_rows`."""
+        kernel = cpu_kernel() if x.device.type == "cpu" else None
+        if kernel is None:
+            return self.torch_encode_rows(x)
+        x = x.to(torch.float32)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        out = torch.empty(x.shape[0], self.wire_numel(x.shape[1]), dtype=torch.uint8)
+        return kernel.encode_rows(x, out, self.block, self.bits, self.rotate)
+
+    def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
+        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``decode(packed[r], numel)``'s bits. On a
+        CPU device the fused kernel where it loaded, else :meth:`torch_decode_rows`."""
+        kernel = cpu_kernel() if packed.device.type == "cpu" else None
+        if kernel is None:
+            return self.torch_decode_rows(packed, numel)
+        packed = packed if packed.stride(1) == 1 else packed.contiguous()
+        out = torch.empty(packed.shape[0], self.blocks(numel) * self.block, dtype=torch.float32)
+        return kernel.decode_rows(packed, numel, out, self.block, self.bits, self.rotate).narrow(1, 0, numel)
+
+    def torch_encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode_rows` in torch ops, on any device. Rotated blocks are quantized as columns, where the
+        rotation leaves them ([Note: blocks as columns])."""
         rows, n = x.shape
         nb, width = self.blocks(n), self.block
         flat, owned = x.to(torch.float32), x.dtype != torch.float32
@@ -236,9 +261,9 @@ class BlockCodec(Codec):
             payload.view(rows, nb, width // 2).copy_(packed)
         return out
 
-    def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
-        """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``decode(packed[r], numel)``'s bits.
-        Rotated blocks are unpacked as columns and rotated there ([Note: blocks as columns])."""
+    def torch_decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
+        """:meth:`decode_rows` in torch ops, on any device. Rotated blocks are unpacked as columns and rotated there
+        ([Note: blocks as columns])."""
         rows = packed.shape[0]
         nb, width = self.blocks(numel), self.block
         head = nb * SCALE_BYTES
@@ -266,6 +291,63 @@ class BlockCodec(Codec):
         down = _guard(columns, 0)
         y = _rotate_columns_(columns.mul_(down), down, scaled=False)
         return _rows(y, down, out.view(rows * nb, width)).view(rows, nb * width).narrow(1, 0, numel)
+
+
+logger = logging.getLogger(__name__)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def exact_ties(n: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` fp32 values whose every quotient by their block's scale (7: ``absmax`` ``7 * qmax`` every 8th element)
+    is a half-integer: round-half-to-even decides each code, and a multiplication by ``1/7`` instead of the division
+    moves some of them off the tie."""
+    x = (torch.randint(-qmax, qmax, (n,), generator=gen).float() + 0.5) * 7
+    x[::8] = 7.0 * qmax
+    return x
+
+
+def kernel_agrees(kernel: native.Kernel) -> bool:
+    """Whether ``kernel`` gives the torch ops' bytes and decoded bits ([Note: the fused CPU codec]) on fixed rows
+    that hold what differs first when arithmetic does: heavy tails, round-half ties, NaN and inf blocks, signed
+    zeros, a subnormal, a block past the rotation's range guard and a padded tail, for each codec shape the config
+    can select (a power-of-two block, rotated int4 included, and an odd one)."""
+    gen = torch.Generator().manual_seed(31)
+    for block in (128, 8, 10):
+        x = torch.randn(3, 5 * block + 3, generator=gen) * torch.where(
+            torch.rand(3, 5 * block + 3, generator=gen) < 0.05, 50.0, 1.0)
+        for b, q in ((0, 7), (1, 127)):  # exact ties of int4 and int8 codes at a scale of 7 (1/7 is inexact)
+            x[0, b * block:(b + 1) * block] = exact_ties(block, q, gen)
+        x[0, 2 * block + 1], x[1, block + 2], x[1, 2 * block] = float("nan"), float("inf"), 1e-40
+        x[1, 3 * block:4 * block] = -0.0
+        x[2, : block] *= 1e37
+        shapes = [(8, False), (4, False)] + ([(4, True)] if is_power_of_two(block) else [])
+        for bits, rotate in shapes:
+            codec = BlockCodec(f"int{bits}", block, bits=bits, rotate=rotate)
+            want = codec.torch_encode_rows(x)
+            got = kernel.encode_rows(x, torch.empty_like(want), block, bits, rotate)
+            out = torch.empty(3, codec.blocks(x.shape[1]) * block)
+            decoded = kernel.decode_rows(want, x.shape[1], out, block, bits, rotate).narrow(1, 0, x.shape[1])
+            if not (torch.equal(got, want) and torch.equal(_bits(decoded), _bits(codec.torch_decode_rows(want, x.shape[1])))):
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel() -> Optional[native.Kernel]:
+    """The fused CPU codec for this process once it has agreed with the torch ops, else ``None`` (with a warning;
+    ``FCDP_CODEC_KERNEL=native`` raises instead)."""
+    kernel = native.load()
+    if kernel is None or kernel_agrees(kernel):
+        return kernel
+    if native.mode() == "native":
+        raise RuntimeError(f"FCDP_CODEC_KERNEL=native: the fused CPU codec ({kernel.path}) differs from the torch ops "
+                           "on the check's rows; set FCDP_CODEC_KERNEL=auto to use the torch ops")
+    logger.warning("[fcdp] the fused CPU codec (%s) differs from the torch ops on the check's rows: using the torch "
+                   "ops (same bits as every other rank, slower)", kernel.path)
+    return None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress import IdentityCodec, grads as compress_grads
+from fcdp_deepspeed.compress import IdentityCodec, grads as compress_grads, quant
 from fcdp_deepspeed.compress.residual import ResidualStore
 from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.grads.inflight import Inflight
@@ -101,6 +101,18 @@ def test_codec(name: Optional[str], block: int = BLOCK) -> Iterator[None]:
         yield
     finally:
         compress_grads.TEST_CODEC = None
+
+
+@contextlib.contextmanager
+def codec_kernel(kind: Optional[str]) -> Iterator[None]:
+    """``"torch"``: the codec's torch ops only, as ``FCDP_CODEC_KERNEL=torch`` gives ([Note: the fused CPU codec])."""
+    saved = quant.cpu_kernel
+    if kind == "torch":
+        quant.cpu_kernel = lambda: None
+    try:
+        yield
+    finally:
+        quant.cpu_kernel = saved
 
 
 def rank0(weights: dict) -> dict:
@@ -226,7 +238,7 @@ def run(sc: dict) -> dict:
         os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
     if sc.get("broken"):
         os.environ[faults.COMPRESSION_ENV] = sc["broken"]  # read at every use (fcdp_deepspeed/faults.py)
-    with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")):
+    with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")), codec_kernel(sc.get("codec_kernel")):
         try:
             engine = grad_workers.build(sc, config(sc))
         finally:
@@ -238,12 +250,13 @@ def run(sc: dict) -> dict:
             res = train(engine, sc, replicas=replicas)
         finally:
             os.environ.pop(faults.COMPRESSION_ENV, None)
-    res["replicas"] = replicas.hashes
-    res["skipped_steps"] = engine.skipped_steps
-    if sc.get("record_invariant"):
-        res["peer_residuals"] = peer_residuals(engine)
-    res["hash"] = model_hash(engine)
-    res["weights"] = rank0(toy.gather_weights(engine))
+        res["codec_kernel"] = quant.cpu_kernel() is not None
+        res["replicas"] = replicas.hashes
+        res["skipped_steps"] = engine.skipped_steps
+        if sc.get("record_invariant"):
+            res["peer_residuals"] = peer_residuals(engine)
+        res["hash"] = model_hash(engine)
+        res["weights"] = rank0(toy.gather_weights(engine))
     res["engine"] = engine
     return res
 
