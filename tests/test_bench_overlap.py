@@ -274,3 +274,28 @@ def test_the_exact_engine_side_by_side_on_this_machine_is_quoted():
     text = (DOCS / "BENCHMARKS.md").read_text()
     assert (f"{now['step_time_s']:.3f} s / {now['step_vs_floor']:.2f}x now, {before['step_time_s']:.3f} s / "
             f"{before['step_vs_floor']:.2f}x before") in text
+
+
+NATIVE_RUN = "bench_overlap_int4_native_results.json"
+
+
+def test_the_fused_cpu_codec_changes_no_value_and_its_verdicts_follow_from_their_numbers():
+    """Session 2026-12-05c: the int4 engine with the fused CPU codec ([Note: the fused CPU codec]) side by side with the
+    tree before it (torch ops), 3 repeats: losses bit for bit and counted bytes equal at both rates; BENCHMARKS.md
+    quotes the table, the codec phase before and after, and the verdicts that follow from the numbers."""
+    by, second = _by(NATIVE_RUN), _by(NATIVE_RUN.replace("native", "native_b"))
+    for run in (by, second):
+        for rate in (100, 0):
+            now, before = run[(rate, "fcdp_int4")], run[(rate, "fcdp_int4@before")]
+            assert now["losses"] == before["losses"] and now["repeats"] == before["repeats"] == 3
+            assert now["counted_inter_node_bytes_per_step"] == before["counted_inter_node_bytes_per_step"]
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    ratios = [second[(0, e)]["step_time_s"] / second[(0, AFTER)]["step_time_s"] for e in ("fcdp_int4", "fcdp_int4@before")]
+    assert "gave {:.2f}x against\n  {:.2f}x with the torch ops".format(*ratios) in text
+    assert timeline_plot.markdown(_rows(NATIVE_RUN), 100) in text
+    assert timeline_plot.markdown(_rows(NATIVE_RUN), 0) in text
+    exact = by[(0, AFTER)]["step_time_s"]
+    for engine, run in (("fcdp_int4", "fused-codec run"), ("fcdp_int4@before", "fused-codec run, before")):
+        for line in (_verdict("int4/int4 compute vs exact, GA 1", by[(0, engine)]["step_time_s"] / exact, 1.25, run),
+                     _verdict("int4/int4 step vs its limit, GA 1", by[(100, engine)]["step_vs_floor"], 1.2, run)):
+            assert line in text, line
