@@ -5,7 +5,8 @@ through ``ctypes`` (``FCDP_CODEC_KERNEL``: ``auto``, the default, ``torch`` or `
 int4 encode (the guard's absmax, a transposing copy, seven butterfly stages, two scalings, the quantization's five),
 each a separate read and write of the bucket. On an accelerator they are cheap, asynchronous kernels; on a CPU
 device they are the whole cost of the codec, on the host, inside every compressed stage (the emulator's int4
-engine spent 1.45x the exact engine's compute, session 2026-12-05). The C kernel computes the same fp32 operations
+engine spent 1.37-1.47x the exact engine's compute with them, 1.21-1.23x with this kernel: docs/BENCHMARKS.md,
+"The fused CPU codec"). The C kernel computes the same fp32 operations
 on the same operands in the same order, a tile of blocks at a time in L1 (one pass in, one out), so its bytes and
 decoded bits are the torch ops' bits: every rank decodes the same values whichever of the two it runs, and a
 rank that cannot build it loses time, never lockstep. ``quant.py`` checks each loaded kernel against its torch ops
