@@ -4,7 +4,8 @@
  * order as BlockCodec's torch ops (compress/quant.py), so the bytes and the decoded bits are theirs: it must be built
  * without -ffast-math and with -ffp-contract=off (no fused multiply-adds). A tile of T blocks is held as columns
  * (element i of block t at tile[i * T + t]) so that every butterfly stage and every elementwise step is a run of T
- * independent lanes the compiler vectorises, in L1, one pass over memory in and one out.
+ * independent lanes the compiler vectorises, in L1, one pass over memory in and one out. Unrotated blocks are
+ * quantized where they lie, one contiguous block at a time.
  */
 #include <float.h>
 #include <math.h>
@@ -104,6 +105,29 @@ static void rotate(float *tile, int64_t w, float s) {
         }
 }
 
+/* One block's codes (element i at codes[i * stride]) into its bytes: int8, or int4 pairs as (lo + 8) | (hi + 8) << 4
+ * (quant: lo + 16 hi + 136, exact small integers). */
+static inline void store_codes(const float *codes, int64_t stride, int bits, int64_t w, uint8_t *dst) {
+    if (bits == 8) {
+        for (int64_t i = 0; i < w; i++) ((int8_t *)dst)[i] = (int8_t)codes[i * stride];
+    } else {
+        for (int64_t i = 0; i < w / 2; i++)
+            dst[i] = (uint8_t)((int)codes[2 * i * stride] + 16 * (int)codes[(2 * i + 1) * stride] + 136);
+    }
+}
+
+/* One block's bytes -> code * scale (element i at dst[i * stride]). */
+static inline void load_codes(const uint8_t *src, int bits, int64_t w, float scale, float *dst, int64_t stride) {
+    if (bits == 8) {
+        for (int64_t i = 0; i < w; i++) dst[i * stride] = (float)((const int8_t *)src)[i] * scale;
+    } else {
+        for (int64_t i = 0; i < w / 2; i++) {
+            dst[2 * i * stride] = (float)((int)(src[i] & 15) - 8) * scale;
+            dst[(2 * i + 1) * stride] = (float)((int)(src[i] >> 4) - 8) * scale;
+        }
+    }
+}
+
 /* Unrotated blocks need no columns: each block is quantized where it lies. */
 static int encode_plain(const float *x, int64_t rows, int64_t n, int64_t ldx, uint8_t *out, int64_t ldo, int64_t w,
                         int bits, int64_t nb, float q) {
@@ -125,13 +149,7 @@ static int encode_plain(const float *x, int64_t rows, int64_t n, int64_t ldx, ui
             float scale = scale_of(absmax_run(b, w), q), safe = safe_of(scale);
             memcpy(o + blk * 4, &scale, 4);
             for (int64_t i = 0; i < w; i++) codes[i] = code(b[i], safe, q);
-            if (bits == 8) {
-                int8_t *c = (int8_t *)(o + head + blk * w);
-                for (int64_t i = 0; i < w; i++) c[i] = (int8_t)codes[i];
-            } else {
-                uint8_t *c = o + head + blk * (w / 2);
-                for (int64_t i = 0; i < w / 2; i++) c[i] = (uint8_t)((int)codes[2 * i] + 16 * (int)codes[2 * i + 1] + 136);
-            }
+            store_codes(codes, 1, bits, w, o + head + blk * (bits == 8 ? w : w / 2));
         }
     }
     free(pad);
@@ -145,18 +163,9 @@ static int decode_plain(const uint8_t *p, int64_t rows, int64_t ldp, float *out,
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *pr = p + r * ldp;
         for (int64_t blk = 0; blk < nb; blk++) {
-            float scale, *d = out + r * ldo + blk * w;
+            float scale;
             memcpy(&scale, pr + blk * 4, 4);
-            if (bits == 8) {
-                const int8_t *c = (const int8_t *)(pr + head + blk * w);
-                for (int64_t i = 0; i < w; i++) d[i] = (float)c[i] * scale;
-            } else {
-                const uint8_t *c = pr + head + blk * (w / 2);
-                for (int64_t i = 0; i < w / 2; i++) {
-                    d[2 * i] = (float)((int)(c[i] & 15) - 8) * scale;
-                    d[2 * i + 1] = (float)((int)(c[i] >> 4) - 8) * scale;
-                }
-            }
+            load_codes(pr + head + blk * (bits == 8 ? w : w / 2), bits, w, scale, out + r * ldo + blk * w, 1);
         }
     }
     return 0;
@@ -181,7 +190,7 @@ int fcdp_encode_rows(const float *x, int64_t rows, int64_t n, int64_t ldx, uint8
                 for (int64_t i = 0; i < len; i++) tile[i * T + t] = xr[start + i];
                 for (int64_t i = len; i < w; i++) tile[i * T + t] = 0.0f;
             }
-            if (rot) rotate(tile, w, (float)s);
+            rotate(tile, w, (float)s);
             absmax(tile, w, a);
             for (int t = 0; t < T; t++) {
                 float scale = scale_of(a[t], q);
@@ -190,17 +199,8 @@ int fcdp_encode_rows(const float *x, int64_t rows, int64_t n, int64_t ldx, uint8
             }
             for (int64_t i = 0; i < w; i++)
                 for (int t = 0; t < T; t++) tile[i * T + t] = code(tile[i * T + t], safe[t], q);
-            for (int t = 0; t < T && b0 + t < nb; t++) {
-                int64_t blk = b0 + t;
-                if (bits == 8) {
-                    int8_t *c = (int8_t *)(o + head + blk * w);
-                    for (int64_t i = 0; i < w; i++) c[i] = (int8_t)tile[i * T + t];
-                } else {
-                    uint8_t *c = o + head + blk * (w / 2);
-                    for (int64_t i = 0; i < w; i += 2)
-                        c[i / 2] = (uint8_t)((int)tile[i * T + t] + 16 * (int)tile[(i + 1) * T + t] + 136);
-                }
-            }
+            for (int t = 0; t < T && b0 + t < nb; t++)
+                store_codes(tile + t, T, bits, w, o + head + (b0 + t) * (bits == 8 ? w : w / 2));
         }
     }
     free(tile);
@@ -227,18 +227,9 @@ int fcdp_decode_rows(const uint8_t *p, int64_t rows, int64_t ldp, int64_t numel,
                 }
                 float scale;
                 memcpy(&scale, pr + blk * 4, 4);
-                if (bits == 8) {
-                    const int8_t *c = (const int8_t *)(pr + head + blk * w);
-                    for (int64_t i = 0; i < w; i++) tile[i * T + t] = (float)c[i] * scale;
-                } else {
-                    const uint8_t *c = pr + head + blk * (w / 2);
-                    for (int64_t i = 0; i < w; i += 2) {
-                        tile[i * T + t] = (float)((int)(c[i / 2] & 15) - 8) * scale;
-                        tile[(i + 1) * T + t] = (float)((int)(c[i / 2] >> 4) - 8) * scale;
-                    }
-                }
+                load_codes(pr + head + blk * (bits == 8 ? w : w / 2), bits, w, scale, tile + t, T);
             }
-            if (rot) rotate(tile, w, (float)s);
+            rotate(tile, w, (float)s);
             for (int t = 0; t < T && b0 + t < nb; t++) {
                 float *d = o + (b0 + t) * w;
                 for (int64_t i = 0; i < w; i++) d[i] = tile[i * T + t];
