@@ -39,7 +39,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run-cpu" and report["passed"] is True
-    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory"}
+    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec"}
     for case in report["cases"].values():
         assert set(case) == {"case", "checks", "numbers", "error", "passed"} and case["error"] is None
         assert all(set(c) == {"name", "passed", "detail"} for c in case["checks"])
@@ -75,7 +75,11 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert d["numbers"]["param_gather"] == "flat" and "record_stream (frees)" in d["numbers"]["not_checked"]
     assert e["numbers"]["pin"]["pin_bytes"] == 2**26 and len(e["numbers"]["h2d"]) == 1
     assert all(c["passed"] is None for c in e["checks"])  # nothing is page-locked on the CPU
-    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory"):
+    f = report["cases"]["f_codec"]
+    assert set(f["numbers"]["shapes"]) == {"int8", "int4", "int4_rotated"} and f["numbers"]["cpu_kernel"] is True
+    assert all(c["passed"] is True for c in f["checks"]) and len(f["checks"]) == 9  # the fused kernel vs the torch ops
+    assert all(r["same_bytes_as_cpu"] and r["same_bits_as_cpu"] for r in f["numbers"]["shapes"].values())
+    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec"):
         assert f"{name}: PASS" in proc.stdout
 
 

@@ -17,6 +17,8 @@ Each case runs in its own process (:func:`~fcdp_deepspeed.tools.harness.launch.r
   FCDP's code (staged hits, the node buffer's round trip, the flush).
 - ``e_host_memory``: pinning time and pinned bytes against the cgroup's ``memory.current``; host-to-device
   GB/s, pinned and pageable, with every local GPU's rank copying at once.
+- ``f_codec``: the inter-node codec's torch ops on the device: deterministic, within its error, the same bytes and
+  bits as the CPU's or not, device and host-issue time per call at bucket-sized rows (``tools/gpu/codec.py``).
 (a) also warms up two communicators as FCDP does at attach and reports the memory each took.
 
 ``dry_run=True`` runs (a) on gloo and (b) on the CPU accelerator: the logic, not the device.
@@ -28,6 +30,7 @@ import time
 from typing import Callable
 
 from fcdp_deepspeed.tools.gpu.cases import multi_gpu_case
+from fcdp_deepspeed.tools.gpu.codec import codec_case
 from fcdp_deepspeed.tools.gpu.memory import host_memory_case
 from fcdp_deepspeed.tools.gpu.report import CaseResult, summary
 
@@ -39,6 +42,7 @@ CASES = "fcdp_deepspeed.tools.gpu.cases"
 FAKE_PG = "fcdp_deepspeed.tools.gpu.fake_pg"
 SANITIZER = "fcdp_deepspeed.tools.gpu.sanitizer"
 MEMORY = "fcdp_deepspeed.tools.gpu.memory"
+CODEC = "fcdp_deepspeed.tools.gpu.codec"
 
 
 def _in_process(target: str, world: int, kwargs: dict, timeout: float, accelerator: str, env: dict = None) -> list:
@@ -59,9 +63,9 @@ def _case(name: str, fn: Callable[[], CaseResult]) -> CaseResult:
     return res
 
 
-#: Per-case deadlines on one GPU (seconds): a, b, d, e (pinning + copies); at most 365 s in all (b: 66 s measured
+#: Per-case deadlines on one GPU (seconds): a, b, d, e (pinning + copies), f; at most 395 s in all (b: 66 s measured
 #: on the H200 with 6 variants, 8 now).
-DEADLINES = {"a_grad_flush": 45, "b_fake_pg": 160, "d_sanitizer": 100, "e_pin": 30, "e_h2d": 30}
+DEADLINES = {"a_grad_flush": 45, "b_fake_pg": 160, "d_sanitizer": 100, "e_pin": 30, "e_h2d": 30, "f_codec": 30}
 
 
 def _host_memory(dry_run: bool, gpus: int, accel: str, slow: int) -> CaseResult:
@@ -76,7 +80,7 @@ def _host_memory(dry_run: bool, gpus: int, accel: str, slow: int) -> CaseResult:
 
 def run(dry_run: bool, gpus: int, hidden: int, layers: int, steps: int, only: str = "") -> dict:
     """Every case that fits this machine; the JSON report as a dict (``passed`` over all checks).
-    Deadlines (:data:`DEADLINES`): at most 365 s on one GPU, doubled for a dry run.
+    Deadlines (:data:`DEADLINES`): at most 395 s on one GPU, doubled for a dry run.
     ``only``: the case letters to run (``"bd"``: a rerun that spends device time on two cases); all when empty."""
     accel = "cpu" if dry_run else "cuda"
     slow = 2 if dry_run else 1
@@ -92,6 +96,8 @@ def run(dry_run: bool, gpus: int, hidden: int, layers: int, steps: int, only: st
                                             DEADLINES["d_sanitizer"] * slow, accel,
                                             env={} if dry_run else {"TORCH_CUDA_SANITIZER": "1"})[0]),
         ("e_host_memory", lambda: _host_memory(dry_run, gpus, accel, slow)),
+        ("f_codec", lambda: codec_case(_in_process(f"{CODEC}:codec_rank", 1, dict(
+            dry_run=dry_run, numel=2**16 if dry_run else 2**22), DEADLINES["f_codec"] * slow, accel)[0], dry_run)),
     ]
     cases = [_case(name, fn) for name, fn in plan if wanted(name)]
     if not dry_run and gpus >= 4 and wanted("c"):
