@@ -41,7 +41,7 @@ import torch
 from deepspeed import comm as dist
 
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress.quant import Codec, codec_for
+from fcdp_deepspeed.compress.quant import Codec, codec_for, ready
 from fcdp_deepspeed.compress.residual import ResidualStore, plan_residuals
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.grads import GradReducer
@@ -306,7 +306,8 @@ def attach_compressor(config: FCDPConfig, plan: GradPlan, reducer: Optional[Grad
     accumulation_dtype = reducer.accumulation_dtype if reducer is not None else torch.float32
     check_grad_compression(config.grad_compression, plan, communication_dtype, accumulation_dtype)
     assert reducer is not None  # an active plan has a reducer
-    codec = TEST_CODEC if TEST_CODEC is not None else codec_for(config.grad_compression, config.compression_block, side="grads")
+    codec = TEST_CODEC if TEST_CODEC is not None else ready(
+        codec_for(config.grad_compression, config.compression_block, side="grads"), device.accel_device())
     planner = reducer.planner
     # the node buffer may be allocated later (accumulation steps set after initialize): its need comes first
     reserved = sum(planner.sizes(trainable)[1]) * accumulation_dtype.itemsize if plan.grad_accumulation == "node" else 0

@@ -42,6 +42,7 @@ import torch
 
 from fcdp_deepspeed.compress import native
 from fcdp_deepspeed.config import DEFAULT_BLOCK  # elements per scale block: fcdp.compression_block's default
+from fcdp_deepspeed.machine import device
 
 CodecName = Literal["off", "int8", "int4"]
 #: ``fcdp.param_compression`` / ``fcdp.grad_compression`` values that compress.
@@ -210,7 +211,7 @@ class BlockCodec(Codec):
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``encode(x[r])``'s bytes. On a CPU device
         the fused kernel where it loaded ([Note: the fused CPU codec]), else :meth:`torch_encode_rows`."""
-        kernel = cpu_kernel() if x.device.type == "cpu" else None
+        kernel = kernel_for(x)
         if kernel is None:
             return self.torch_encode_rows(x)
         x = x.to(torch.float32)
@@ -221,7 +222,7 @@ class BlockCodec(Codec):
     def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
         """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``decode(packed[r], numel)``'s bits. On a
         CPU device the fused kernel where it loaded, else :meth:`torch_decode_rows`."""
-        kernel = cpu_kernel() if packed.device.type == "cpu" else None
+        kernel = kernel_for(packed)
         if kernel is None:
             return self.torch_decode_rows(packed, numel)
         packed = packed if packed.stride(1) == 1 else packed.contiguous()
@@ -348,6 +349,24 @@ def cpu_kernel() -> Optional[native.Kernel]:
     logger.warning("[fcdp] the fused CPU codec (%s) differs from the torch ops on the check's rows: using the torch "
                    "ops (same bits as every other rank, slower)", kernel.path)
     return None
+
+
+def kernel_for(t: torch.Tensor) -> Optional[native.Kernel]:
+    """The fused CPU codec where ``t`` is a CPU tensor on a real CPU device, else ``None`` (the torch ops).
+    [Note: the kernel and strict mode] Strict device mode models an accelerator on the CPU: its stream model sees
+    the reads and writes of torch ops, not those of a foreign kernel, and on an accelerator the codec runs in torch
+    ops anyway; so under the strict door the torch ops run (same bits) and every codec access stays visible."""
+    return cpu_kernel() if t.device.type == "cpu" and not device.current().strict else None
+
+
+def ready(codec: Optional[Codec], where: torch.device) -> Optional[Codec]:
+    """``codec``, with the fused CPU kernel built and checked now if it will run on CPU tensors at ``where``.
+    [Note: the kernel's check at build] Engines call this where they build a codec: the check (:func:`kernel_agrees`)
+    reads values on the host, which strict mode rightly counts as a host wait inside a step, and a first build
+    takes the compiler's time; at engine build both cost nothing a step sees."""
+    if isinstance(codec, BlockCodec):
+        kernel_for(torch.empty(0, device=where))
+    return codec
 
 
 @dataclass(frozen=True)

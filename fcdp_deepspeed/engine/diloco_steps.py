@@ -11,7 +11,7 @@ from typing import Any, Optional
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.compress.quant import codec_for
+from fcdp_deepspeed.compress.quant import codec_for, ready
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import load_ds_config, parse_fcdp_config
 from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
@@ -75,7 +75,8 @@ class DiLoCoSteps:
         masters = self.fp32_partitioned_groups_flat
         frozen = [p.ds_tensor for group in self.fp16_groups for p in group if not p.requires_grad]
         check_same_start([m.view(-1) for m in masters] + frozen, peers, "weights")
-        codec = codec_for(cfg.compression, fcdp_config.compression_block, side="grads")
+        codec = ready(codec_for(cfg.compression, fcdp_config.compression_block, side="grads"),
+                      masters[0].device if masters else "cpu")
         node = topo.node_of_rank[dist.get_rank()]
         layout = {"node": sorted(set(topo.node_of_rank)).index(node), "nodes": topo.num_nodes,
                   "ranks_per_node": topo.ranks_per_node}

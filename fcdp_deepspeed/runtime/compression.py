@@ -22,9 +22,10 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from fcdp_deepspeed.compress.params import DTYPES, DriftMeter, ParamCompression, pays
-from fcdp_deepspeed.compress.quant import codec_for
+from fcdp_deepspeed.compress.quant import codec_for, ready
 from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceCheckpoint, ReferenceStore
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError, resolved_param_compression
+from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.machine.topology import Topology
 from fcdp_deepspeed.reporting.stats import fmt_bytes
 from fcdp_deepspeed.runtime.allocation import Allocation, fit_prefix
@@ -64,7 +65,7 @@ def build_compression(config: FCDPConfig, topo: Topology, gather: Optional[Hiera
         return None, None
     if setting == "off":
         return None, None
-    codec = codec_for(setting, config.compression_block)
+    codec = ready(codec_for(setting, config.compression_block), device.accel_device())
     counters = CompressionCounters()
     store = ReferenceStore(counters, config.param_refresh_interval)
     for p in _candidates(params, optimizer_ids, gather, setting, names):
