@@ -211,7 +211,7 @@ class BlockCodec(Codec):
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
         """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``encode(x[r])``'s bytes. On a CPU device
         the fused kernel where it loaded ([Note: the fused CPU codec]), else :meth:`torch_encode_rows`."""
-        kernel = kernel_for(x)
+        kernel = kernel_for(x.device)
         if kernel is None:
             return self.torch_encode_rows(x)
         x = x.to(torch.float32)
@@ -222,7 +222,7 @@ class BlockCodec(Codec):
     def decode_rows(self, packed: torch.Tensor, numel: int) -> torch.Tensor:
         """All rows in one batch ([Note: vectorised codec]); row ``r`` is ``decode(packed[r], numel)``'s bits. On a
         CPU device the fused kernel where it loaded, else :meth:`torch_decode_rows`."""
-        kernel = kernel_for(packed)
+        kernel = kernel_for(packed.device)
         if kernel is None:
             return self.torch_decode_rows(packed, numel)
         packed = packed if packed.stride(1) == 1 else packed.contiguous()
@@ -297,7 +297,8 @@ class BlockCodec(Codec):
 logger = logging.getLogger(__name__)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of an fp32 tensor (NaN payloads and the sign of zero included), to compare bit for bit."""
     return t.contiguous().view(torch.int32)
 
 
@@ -310,20 +311,28 @@ def exact_ties(n: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
     return x
 
 
+def check_rows(block: int, gen: torch.Generator) -> torch.Tensor:
+    """Three fp32 rows of ``5 * block + 3`` values (a padded tail) holding what differs first when two codecs'
+    arithmetic does: heavy tails, exact round-half ties of int4 and int8 codes, NaN and +-inf blocks, a block of
+    signed zeros, a subnormal, a block past the rotation's range guard ([Note: butterfly range])."""
+    x = torch.randn(3, 5 * block + 3, generator=gen) * torch.where(
+        torch.rand(3, 5 * block + 3, generator=gen) < 0.05, 50.0, 1.0)
+    for b, q in ((0, 7), (1, 127)):  # exact ties of int4 and int8 codes at a scale of 7 (1/7 is inexact)
+        x[0, b * block:(b + 1) * block] = exact_ties(block, q, gen)
+    x[0, 2 * block + 1], x[1, block + 2], x[1, 2 * block] = float("nan"), float("inf"), 1e-40
+    x[1, block + 3] = float("-inf")
+    x[1, 3 * block:4 * block] = -0.0
+    x[2, : block] *= 1e37
+    return x
+
+
 def kernel_agrees(kernel: native.Kernel) -> bool:
-    """Whether ``kernel`` gives the torch ops' bytes and decoded bits ([Note: the fused CPU codec]) on fixed rows
-    that hold what differs first when arithmetic does: heavy tails, round-half ties, NaN and inf blocks, signed
-    zeros, a subnormal, a block past the rotation's range guard and a padded tail, for each codec shape the config
-    can select (a power-of-two block, rotated int4 included, and an odd one)."""
+    """Whether ``kernel`` gives the torch ops' bytes and decoded bits ([Note: the fused CPU codec]) on
+    :func:`check_rows`, for each codec shape the config can select (a power-of-two block, rotated int4 included,
+    and an odd one)."""
     gen = torch.Generator().manual_seed(31)
     for block in (128, 8, 10):
-        x = torch.randn(3, 5 * block + 3, generator=gen) * torch.where(
-            torch.rand(3, 5 * block + 3, generator=gen) < 0.05, 50.0, 1.0)
-        for b, q in ((0, 7), (1, 127)):  # exact ties of int4 and int8 codes at a scale of 7 (1/7 is inexact)
-            x[0, b * block:(b + 1) * block] = exact_ties(block, q, gen)
-        x[0, 2 * block + 1], x[1, block + 2], x[1, 2 * block] = float("nan"), float("inf"), 1e-40
-        x[1, 3 * block:4 * block] = -0.0
-        x[2, : block] *= 1e37
+        x = check_rows(block, gen)
         shapes = [(8, False), (4, False)] + ([(4, True)] if is_power_of_two(block) else [])
         for bits, rotate in shapes:
             codec = BlockCodec(f"int{bits}", block, bits=bits, rotate=rotate)
@@ -331,7 +340,7 @@ def kernel_agrees(kernel: native.Kernel) -> bool:
             got = kernel.encode_rows(x, torch.empty_like(want), block, bits, rotate)
             out = torch.empty(3, codec.blocks(x.shape[1]) * block)
             decoded = kernel.decode_rows(want, x.shape[1], out, block, bits, rotate).narrow(1, 0, x.shape[1])
-            if not (torch.equal(got, want) and torch.equal(_bits(decoded), _bits(codec.torch_decode_rows(want, x.shape[1])))):
+            if not (torch.equal(got, want) and torch.equal(bits_of(decoded), bits_of(codec.torch_decode_rows(want, x.shape[1])))):
                 return False
     return True
 
@@ -351,12 +360,12 @@ def cpu_kernel() -> Optional[native.Kernel]:
     return None
 
 
-def kernel_for(t: torch.Tensor) -> Optional[native.Kernel]:
-    """The fused CPU codec where ``t`` is a CPU tensor on a real CPU device, else ``None`` (the torch ops).
+def kernel_for(where: torch.device) -> Optional[native.Kernel]:
+    """The fused CPU codec for tensors on ``where`` if that is a real CPU device, else ``None`` (the torch ops).
     [Note: the kernel and strict mode] Strict device mode models an accelerator on the CPU: its stream model sees
     the reads and writes of torch ops, not those of a foreign kernel, and on an accelerator the codec runs in torch
     ops anyway; so under the strict door the torch ops run (same bits) and every codec access stays visible."""
-    return cpu_kernel() if t.device.type == "cpu" and not device.current().strict else None
+    return cpu_kernel() if torch.device(where).type == "cpu" and not device.current().strict else None
 
 
 def ready(codec: Optional[Codec], where: torch.device) -> Optional[Codec]:
@@ -365,7 +374,7 @@ def ready(codec: Optional[Codec], where: torch.device) -> Optional[Codec]:
     reads values on the host, which strict mode rightly counts as a host wait inside a step, and a first build
     takes the compiler's time; at engine build both cost nothing a step sees."""
     if isinstance(codec, BlockCodec):
-        kernel_for(torch.empty(0, device=where))
+        kernel_for(where)
     return codec
 
 

@@ -27,21 +27,6 @@ SHAPES = (("int8", 8, False), ("int4", 4, False), ("int4_rotated", 4, True))
 BOUNDS = {"int8": 0.01, "int4": 0.15, "int4_rotated": 0.15}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _adversarial(n: int) -> torch.Tensor:
-    from fcdp_deepspeed.compress.quant import exact_ties
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(4, n, generator=gen)
-    x[0, 5], x[0, 300], x[0, 301], x[0, 700:800] = float("nan"), float("inf"), float("-inf"), -0.0
-    x[1] = exact_ties(n, 7, gen)
-    x[2] = exact_ties(n, 127, gen)
-    x[3, :128] *= 1e37
-    return x
-
-
 def _timed(fn, reps: int, dev: str) -> tuple[float, float]:
     """(device ms, host ms to issue) per call of ``fn``, ``reps`` calls after one warm-up."""
     from deepspeed.accelerator import get_accelerator
@@ -67,14 +52,14 @@ def codec_rank(dry_run: bool, numel: int, reps: int = 10) -> dict:
     """Every check's inputs and the numbers, on this process's device (see the module docstring)."""
     from deepspeed.accelerator import get_accelerator
 
-    from fcdp_deepspeed.compress.quant import BlockCodec, cpu_kernel
+    from fcdp_deepspeed.compress.quant import BlockCodec, bits_of, check_rows, cpu_kernel
     dev = "cpu" if dry_run else "cuda"
     if not dry_run:
         get_accelerator().set_device(0)
     out: dict = {"device": dev, "numel": numel, "cpu_kernel": cpu_kernel() is not None, "shapes": {}}
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(2, numel, generator=gen)
-    odd = _adversarial(4096 + 37)
+    odd = check_rows(128, torch.Generator().manual_seed(7))
     for name, bits, rotate in SHAPES:
         codec = BlockCodec(name.split("_")[0], 128, bits=bits, rotate=rotate)
         x = rows.to(dev)
@@ -88,12 +73,12 @@ def codec_rank(dry_run: bool, numel: int, reps: int = 10) -> dict:
         ref_decode = codec.torch_decode_rows if dry_run else codec.decode_rows
         want = ref_encode(odd)
         got = codec.encode_rows(odd.to(dev)).cpu()
-        same_bits = torch.equal(_bits(codec.decode_rows(want.to(dev), odd.shape[1]).cpu()),
-                                _bits(ref_decode(want, odd.shape[1])))
+        same_bits = torch.equal(bits_of(codec.decode_rows(want.to(dev), odd.shape[1]).cpu()),
+                                bits_of(ref_decode(want, odd.shape[1])))
         encode_ms = _timed(lambda: codec.encode_rows(x), reps, dev)
         decode_ms = _timed(lambda: codec.decode_rows(packed, numel), reps, dev)
         out["shapes"][name] = {
-            "deterministic": torch.equal(packed, again) and torch.equal(_bits(decoded), _bits(decoded_again)),
+            "deterministic": torch.equal(packed, again) and torch.equal(bits_of(decoded), bits_of(decoded_again)),
             "relative_error": err, "same_bytes_as_cpu": torch.equal(got, want), "same_bits_as_cpu": same_bits,
             "encode_ms": {"device": encode_ms[0], "host_issue": encode_ms[1]},
             "decode_ms": {"device": decode_ms[0], "host_issue": decode_ms[1]},
