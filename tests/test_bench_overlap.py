@@ -299,3 +299,74 @@ def test_the_fused_cpu_codec_changes_no_value_and_its_verdicts_follow_from_their
         for line in (_verdict("int4/int4 compute vs exact, GA 1", by[(0, engine)]["step_time_s"] / exact, 1.25, run),
                      _verdict("int4/int4 step vs its limit, GA 1", by[(100, engine)]["step_vs_floor"], 1.2, run)):
             assert line in text, line
+
+
+#: Session 2026-12-05d's closing run: every target of issue 31 on one tree (26355db), and the repeats of each run.
+CLOSING = {"bench_overlap_closing_ga1_results.json": 3, "bench_overlap_closing_prefetch_results.json": 3,
+           "bench_overlap_closing_lora10_results.json": 5, "bench_overlap_closing_ga4_results.json": 3,
+           "bench_overlap_closing_layouts_results.json": 1}
+
+
+@pytest.mark.parametrize("name", CLOSING)
+def test_the_closing_runs_move_the_exact_bytes_and_are_quoted(name):
+    """The closing run: every exact FCDP row moves its bound's bytes (the kernel's count, within 5%: gloo's protocol
+    bytes), every shaped row's ratio is its step over max(compute, wire), and BENCHMARKS.md quotes each table."""
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    for r in _rows(name):
+        assert r["repeats"] == CLOSING[name], r["engine"]
+        if r["engine"] == AFTER:
+            assert 0.99 <= r["bytes_vs_bound"] <= 1.05, (r["layout"], r["rate_mbit"], r["bytes_vs_bound"])
+        if r["rate_mbit"]:
+            assert r["step_vs_floor"] == pytest.approx(r["step_time_s"] / max(r["compute_s"], r["wire_s"]))
+            assert (f"| {r['layout']} | {r['job']} | GA {r['grad_accum']} | {r['regime']} | {r['engine']} | "
+                    f"{r['step_time_s']:.3f} | "
+                    f"{_spread(r)} | {r['compute_s']:.3f} | {r['wire_s']:.3f} | {r['step_vs_floor']:.2f}x |") in text, r
+
+
+def _spread(row: dict) -> str:
+    """The repeats' median steps as BENCHMARKS.md's closing table writes them (``-`` for one repeat)."""
+    times = sorted(row["repeat_step_times_s"])
+    return f"{times[0]:.3f}-{times[-1]:.3f}" if len(times) > 1 else "-"
+
+
+def test_the_closing_verdicts_follow_from_their_numbers():
+    """Issue 31's targets on the closing run, each with the verdict its numbers give, plus item 5 (prefetch never
+    hurts: FCDP's step with prefetch not above its step without, and its ratio not above plain ZeRO-3's) and the GA 4
+    step against its exact-semantics bound (wire + 3/4 of compute)."""
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    g1, pf, lora, g4 = (_by(f"bench_overlap_closing_{n}_results.json") for n in ("ga1", "prefetch", "lora10", "ga4"))
+    for line in _verdict_lines(g1, pf, g4, lora, "closing run"):
+        assert line in text, line
+    fcdp, zero3 = pf[(100, AFTER)]["step_vs_floor"], pf[(100, "zero3")]["step_vs_floor"]
+    assert (f"| prefetch 5e7: FCDP's ratio not above plain ZeRO-3's (closing run) | {fcdp:.2f}x vs {zero3:.2f}x | "
+            f"{'met' if fcdp <= zero3 else 'missed'} |") in text
+    on, off = pf[(100, AFTER)]["step_time_s"], g1[(100, AFTER)]["step_time_s"]
+    assert (f"| prefetch 5e7: FCDP's step not above its step without it (closing run) | {on:.3f} s vs {off:.3f} s | "
+            f"{'met' if on <= off else 'missed'} |") in text
+    r = g4[(100, AFTER)]
+    bound = r["wire_s"] + 0.75 * r["compute_s"]
+    assert f"| exact defaults, GA 4, against wire + 3/4 of compute (closing run) | {r['step_time_s'] / bound:.2f}x |" in text
+
+
+def test_the_closing_link_samples_are_quoted():
+    """The closing run's sampled pair (prefetch 5e7 on and off): the sampled uplink agrees with the kernel's frames and
+    BENCHMARKS.md quotes both traced steps."""
+    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    for regime in ("default", "large"):
+        rows = _rows(f"bench_overlap_closing_links_{regime}_results.json")
+        assert [(r["regime"], r["repeats"]) for r in rows] == [(regime, 2)]
+        assert rows[0]["links_last_step"]["floor_s"] == pytest.approx(rows[0]["wire_frames_s"], rel=0.01)
+        assert links_markdown(rows) in text, regime
+
+
+def test_the_readme_quotes_the_closing_run():
+    """README's table of the step at its limit is the closing run's numbers."""
+    readme = (DOCS.parent / "README.md").read_text()
+    g1, pf, g4, lora = (_by(f"bench_overlap_closing_{n}_results.json") for n in ("ga1", "prefetch", "ga4", "lora10"))
+    for label, r in (("exact defaults, GA 1", g1[(100, AFTER)]), ("the same with DeepSpeed's prefetch (5e7)", pf[(100, AFTER)]),
+                     ("exact defaults, GA 4", g4[(100, AFTER)]), ("int4/int4, GA 1", g1[(100, "fcdp_int4")]),
+                     ("LoRA at 10 Mbit/s", lora[(10, AFTER)])):
+        assert f"| {label} | {r['step_time_s']:.3f} s | {r['step_vs_floor']:.2f}x" in readme, label
+    codec = g1[(0, "fcdp_int4")]["step_time_s"] / g1[(0, AFTER)]["step_time_s"]
+    assert f"its compute {codec:.2f}x the exact engine's" in readme

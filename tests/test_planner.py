@@ -169,3 +169,5 @@ def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     pushes = {r["engine"]: r["runahead_stats"] for r in rows if not r.get("computed")}
     assert pushes["zero3"] == {} and "param_push_used_per_step" in pushes["fcdp_node"], pushes
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["started_utc"] < meta["finished_utc"] and meta["started_utc"].endswith(" UTC")  # the run's span

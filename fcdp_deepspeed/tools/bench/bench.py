@@ -386,6 +386,10 @@ def links_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
 def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dict]:
     from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster
     from fcdp_deepspeed.tools.harness.launch import run_local
@@ -429,8 +433,9 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
         rows.append(_combine(repeats, rate, spec))
     rows += bound_rows(rows)
     add_ratios(rows)
+    # "date" (the end, local time) kept for the committed results that have only it
     meta = {"spec": asdict(spec), "seconds": time.time() - started, "cpu_count": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "started_utc": _utc(started), "finished_utc": _utc(time.time())}
     write_results(rows, meta, out_dir)
     return rows
 
