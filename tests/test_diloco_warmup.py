@@ -95,7 +95,8 @@ def test_bad_warmup_is_refused_by_key_with_the_fix():
 
 
 def test_fcdp_plan_prints_the_warmups_bytes(tmp_path, capsys):
-    """Each warm-up step: every rank's bf16 gradient partition (7e9 / 8 elements) to its 3 peers, on 4 x 8."""
+    """Each warm-up step on 4 x 8: every rank's bf16 gradient partition (7e9 / 8 elements) averaged with its 3 peers
+    in two stages, 2 x 3 / 4 of a partition per rank (the all-gather would send 3)."""
     import json
     from fcdp_deepspeed.tools.plan import planner
     cfg = tmp_path / "ds.json"
@@ -103,7 +104,7 @@ def test_fcdp_plan_prints_the_warmups_bytes(tmp_path, capsys):
                                "fcdp": {"enabled": True, "diloco": {"sync_every": 100, "warmup_steps": 500}}}))
     assert planner.main(["--params", "7B", "--nodes", "4", "--ranks-per-node", "8", "--config", str(cfg)]) == 0
     out = capsys.readouterr().out
-    assert f"first 500 exact warm-up steps at {4 * 8 * 3 * 2 * 7e9 / 8 / 2**30:.4f} GiB per step" in out
+    assert f"first 500 exact warm-up steps at {4 * 8 * (2 * 3 / 4) * 2 * 7e9 / 8 / 2**30:.4f} GiB per step" in out
 
 
 def test_committed_warmup_runs_and_the_docs_quote_each_other():
@@ -149,3 +150,28 @@ def test_fp16_loss_scalers_agree_through_the_warmup():
                     warmup_steps=WARMUP + 2)
     assert len({r["skipped_steps"] for r in res}) == 1 and res[0]["skipped_steps"] > 0
     assert all(_same_everywhere(res, s) for s in range(WARMUP + 2))
+
+
+def test_the_warmup_averages_in_two_stages_at_the_bound_on_four_nodes():
+    """[Note: the warm-up in two stages]: on 4 nodes x 1 rank the warm-up's average is an all-to-all of slices and an
+    all-gather of their means: bitwise the all-gather path's mean on the same pieces (fp32 and bf16, with and without
+    a padded slice), the same on every rank, at 2 (N - 1) / N of a piece per rank instead of N - 1; through
+    ``deepspeed.initialize`` every rank is equal during the warm-up, ``diloco_warmup_grad_bytes`` counts the two
+    stages and the ledger's ``inter_node_diloco_bytes`` agrees with the two DiLoCo counters together."""
+    res = run_ranks("diloco:four_nodes_warmup", 4, steps=WARMUP + H, warmup_steps=WARMUP, sync_every=H)
+    for key in res[0]["pair"]:
+        runs = [r["pair"][key] for r in res]
+        mean = sum(r["piece"].double() for r in runs) / 4
+        for r in runs:
+            assert torch.equal(r["two_stage"], r["all_gather"]) and torch.equal(r["two_stage"], runs[0]["two_stage"])
+            tol = 1e-6 if "float32" in key[0] else 1e-2
+            assert torch.allclose(r["two_stage"].double(), mean, atol=tol), key
+            size = runs[0]["piece"].element_size()
+            assert r["sent"] == (2 * 3 * -(-key[1] // 4) * size, 3 * key[1] * size), key
+    for step in range(WARMUP):
+        assert _same_everywhere(res, step), step
+    for r in res:
+        s = r["stats"]
+        numel = sum(t.numel() for t in r["records"][0]["outer"])  # 1 rank per node: the whole fp32 partition
+        assert s["diloco_warmup_grad_bytes"] == WARMUP * 2 * 3 * -(-numel // 4) * 4, (s["diloco_warmup_grad_bytes"], numel)
+        assert s["inter_node_diloco_bytes"] == s["diloco_warmup_grad_bytes"] + s["diloco_pseudo_grad_bytes"]

@@ -12,14 +12,15 @@ model pretrained with data parallelism (arXiv 2311.08105); local SGD after a syn
 (arXiv 1808.07217). fp16: the averaged gradients are equal on every node, so every node's overflow check and loss
 scaler agree during the warm-up.
 
-The average is taken in chunks of at most :data:`CHUNK` elements (``all_gather`` of N chunks at a time, the sum in
-fp32 in peer order), so its accelerator memory is bounded whatever the model. The gradients are stage 3's flat
+The average is taken in chunks of at most :data:`CHUNK` elements (on 2 nodes an ``all_gather`` of the 2 chunks, the
+sum in fp32 in peer order; on more, the same values in two stages at the bound's bytes, [Note: the warm-up in two
+stages]), so its accelerator memory is bounded whatever the model. The gradients are stage 3's flat
 partition buffer, on the accelerator: ``offload_optimizer``, whose step takes the gradient norms in the backward
 (before the average) and keeps its gradients in host memory, is refused with a warm-up (``config/diloco.py``).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,18 +31,53 @@ CHUNK = 1 << 24
 
 
 @torch.no_grad()
-def average_over_peers_(flats: Sequence[torch.Tensor], peer_group: Any, num_nodes: int) -> int:
+def average_over_peers_(flats: Sequence[torch.Tensor], peer_group: Any, num_nodes: int,
+                        two_stage: Optional[bool] = None) -> int:
     """Every tensor of ``flats`` (1-D, on the accelerator) := its mean over the ``num_nodes`` peers, summed in fp32
-    in peer order; the same values on every peer. Blocking. Returns the bytes this rank sent."""
+    in peer order; the same values on every peer. Blocking. Returns the bytes this rank sent (gloo's ring, counted
+    as the pseudo-gradient exchange counts them): on 2 nodes its piece to the other peer per all-gather; on more,
+    two stages ([Note: the warm-up in two stages]; ``two_stage``: default ``num_nodes > 2``, ``False`` is the
+    all-gather path the tests compare it with)."""
+    two_stage = num_nodes > 2 if two_stage is None else two_stage
     sent = 0
     for flat in flats:
         for start in range(0, flat.numel(), CHUNK):
             piece = flat.narrow(0, start, min(CHUNK, flat.numel() - start))
-            gathered = [torch.empty_like(piece) for _ in range(num_nodes)]
-            dist.all_gather(gathered, piece, group=peer_group)
-            sent += piece.numel() * piece.element_size()
-            total = gathered[0].float()  # a copy unless fp32: then summed in place into the gathered buffer
-            for m in gathered[1:]:
-                total.add_(m.float())
-            piece.copy_(total.div_(num_nodes))
+            sent += (_two_stage_ if two_stage else _all_gather_)(piece, peer_group, num_nodes)
     return sent
+
+
+def _mean(parts: Sequence[torch.Tensor], num_nodes: int) -> torch.Tensor:
+    """The peers' values summed in fp32 in peer order, divided by N (fp32)."""
+    total = parts[0].float()  # a copy unless fp32: then summed in place into the received buffer
+    for m in parts[1:]:
+        total.add_(m.float())
+    return total.div_(num_nodes)
+
+
+def _all_gather_(piece: torch.Tensor, peer_group: Any, num_nodes: int) -> int:
+    gathered = [torch.empty_like(piece) for _ in range(num_nodes)]
+    dist.all_gather(gathered, piece, group=peer_group)
+    piece.copy_(_mean(gathered, num_nodes))
+    return (num_nodes - 1) * piece.numel() * piece.element_size()
+
+
+def _two_stage_(piece: torch.Tensor, peer_group: Any, num_nodes: int) -> int:
+    """[Note: the warm-up in two stages] On N > 2 nodes the all-gather sends N - 1 pieces per rank, N/2 times exact
+    data parallelism's bound. Instead each peer sends the i-th of N equal slices of its piece to peer i (an
+    all-to-all), peer i averages the N slices it received by the same formula (fp32, peer order, divided by N, cast
+    to the piece's dtype) and the peers all-gather the averaged slices: every element is computed once, by the
+    all-gather path's operations in its order, so the result is bitwise that path's, on every peer, at 2 (N - 1) / N
+    of a piece per rank (as the pseudo-gradient exchange does, [Note: two stages on more than two nodes] in
+    ``exchange.py``)."""
+    n, numel = num_nodes, piece.numel()
+    width = -(-numel // n)
+    send = torch.zeros(n * width, dtype=piece.dtype, device=piece.device)  # the last slice padded with zeros
+    send.narrow(0, 0, numel).copy_(piece)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=peer_group)
+    mine = _mean(received.view(n, width).unbind(0), n).to(piece.dtype)
+    out = torch.empty_like(send)
+    dist.all_gather(list(out.view(n, width).unbind(0)), mine, group=peer_group)
+    piece.copy_(out.narrow(0, 0, numel))
+    return 2 * (n - 1) * width * piece.element_size()

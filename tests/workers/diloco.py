@@ -216,6 +216,23 @@ def warmup(steps: int = 8, warmup_steps: int = 2, sync_every: int = 3) -> dict:
     return res
 
 
+def four_nodes_warmup(steps: int = 5, warmup_steps: int = 2, sync_every: int = 3) -> dict:
+    """DiLoCo with its exact warm-up on 4 nodes x 1 rank (the two-stage average), and the two averages side by side
+    on the same random pieces over the same peers (fp32 and bf16; a padded last slice and none)."""
+    from fcdp_deepspeed.diloco.warmup import average_over_peers_
+    res = train(steps=steps, sync_every=sync_every, warmup_steps=warmup_steps, ranks_per_node=1)
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    pair = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1001, 1024):
+            piece = torch.randn(numel, generator=gen).to(dtype)
+            two, one = piece.clone(), piece.clone()
+            sent = (average_over_peers_([two], None, 4), average_over_peers_([one], None, 4, two_stage=False))
+            pair[(str(dtype), numel)] = {"two_stage": two, "all_gather": one, "sent": sent, "piece": piece}
+    res["pair"] = pair
+    return res
+
+
 def four_nodes(steps: int = 6, sync_every: int = 3) -> dict:
     """DiLoCo on 4 nodes x 1 rank (the two-stage exchange), and the two exchanges side by side on the same
     random messages over the same peers."""

@@ -5,7 +5,8 @@ Memory per rank, ZeRO-3 over the node's L ranks (not the world's W): 16-bit para
 memory: the outer shard and momentum (8 B per trainable parameter / L), plus the residual (4 B) with compression.
 Inter-node bytes per optimizer step: each rank's pseudo-gradient message reaches its N - 1 peers (an all-gather;
 uncompressed and blocking on N > 2 nodes two stages of 2 (N - 1) / N of a message), once every ``sync_every`` steps; during ``warmup_steps`` each rank's gradient partition (the model's dtype, as
-stage 3 accumulates it unless ``data_types.grad_accum_dtype`` says otherwise) reaches its N - 1 peers every step.
+stage 3 accumulates it unless ``data_types.grad_accum_dtype`` says otherwise) is averaged with its N - 1 peers every
+step: one partition per rank on 2 nodes, 2 (N - 1) / N of one in two stages on more (``diloco/warmup.py``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def diloco_plan(spec: Any, block: Mapping[str, Any]) -> dict:
     per_sync = n * L * (2 * (n - 1) / n if two_stage else n - 1) * message
     warmup = int(block.get("warmup_steps", 0))
     return {"sync_every": h, "compression": codec, "warmup_steps": warmup,
-            "inter_node_bytes_per_warmup_step": n * L * (n - 1) * spec.dtype_bytes * t / L,
+            # 2 (N - 1) / N of a partition per rank ([Note: the warm-up in two stages] in diloco/warmup.py)
+            "inter_node_bytes_per_warmup_step": n * L * 2 * (n - 1) / n * spec.dtype_bytes * t / L,
             "device_bytes_per_rank": device(L), "device_bytes_per_rank_exact_zero3": device(n * L),
             "outer_host_bytes_per_rank": (12 if codec != "off" else 8) * t / L,
             "inter_node_bytes_per_sync": per_sync, "inter_node_bytes_per_step": per_sync / h}
