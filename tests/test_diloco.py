@@ -429,3 +429,20 @@ def test_fcdp_plan_counts_two_stages_on_more_than_two_nodes():
     two = ClusterSpec(params=7e9, nodes=2, ranks_per_node=8)
     assert diloco_plan(two, {"sync_every": 10})["inter_node_bytes_per_step"] == pytest.approx(
         diloco_plan(two, {"sync_every": 10, "fragments": 2})["inter_node_bytes_per_step"])  # 2 nodes: the same
+
+
+def test_the_ledger_counts_the_two_stage_all_to_all_as_the_kernel_does():
+    """docs/bench_diloco_4x1_results.json: DiLoCo's two-stage exchange on 4 nodes x 1 rank (an all-to-all of slices and
+    an all-gather) counted by the ledger within 1% of the kernel's uplink counters, at 2 (N - 1) / N of a shard per
+    rank per sync; DILOCO.md quotes it."""
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    rows = {r["engine"]: r for r in json.loads((root / "docs" / "bench_diloco_4x1_results.json").read_text())["rows"]}
+    r = rows["diloco10"]
+    assert r["layout"] == "4x1" and 0.99 <= r["counted_vs_kernel"] <= 1.01
+    per_sync = 4 * 2 * 3 / 4 * r["trainable_params"] * 4  # every rank: 2 (N - 1) / N of its fp32 shard (the model)
+    assert r["counted_inter_node_bytes_per_step"] == pytest.approx(per_sync / 10, rel=0.01)
+    text = (root / "docs" / "DILOCO.md").read_text()
+    assert f"{r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} MB per step, counted/kernel {r['counted_vs_kernel']:.3f}" in text
+    assert f"the exact defaults moved {rows['fcdp_node']['bytes_vs_bound']:.2f}x the bound" in text
