@@ -23,7 +23,7 @@ decodes every message, its own included ([Note: determinism] in ``compress/quant
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -44,6 +44,33 @@ class Flight:
     #: Two stages ([Note: two stages on more than two nodes]): the slice length; ``gathered`` is then the one
     #: all-to-all output, the peers' slices of this rank's part in peer order. 0: the all-gather.
     slice: int = 0
+
+
+def mean_in_peer_order(parts: Sequence[torch.Tensor], num_nodes: int) -> torch.Tensor:
+    """The peers' values summed in fp32 in peer order, divided by N ([Note: a fixed-order average]; fp32, summed in
+    place into ``parts[0]`` when that is fp32 already)."""
+    total = parts[0].float()
+    for m in parts[1:]:
+        total.add_(m.float())
+    return total.div_(num_nodes)
+
+
+def padded_slices(message: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, int]:
+    """``message`` as ``num_nodes`` equal slices back to back (the last padded with zeros) and the slice length: what
+    the first of two stages sends ([Note: two stages on more than two nodes])."""
+    width = -(-message.numel() // num_nodes)
+    if message.numel() == num_nodes * width:
+        return message, width
+    send = torch.zeros(num_nodes * width, dtype=message.dtype, device=message.device)
+    send.narrow(0, 0, message.numel()).copy_(message)
+    return send, width
+
+
+def all_gather_slices(mine: torch.Tensor, num_nodes: int, group: Any) -> torch.Tensor:
+    """The second of two stages: every peer's averaged slice, in peer order, as one tensor of ``num_nodes`` slices."""
+    out = torch.empty(num_nodes * mine.numel(), dtype=mine.dtype, device=mine.device)
+    dist.all_gather(list(out.view(num_nodes, -1).unbind(0)), mine, group=group)
+    return out
 
 
 class PseudoGradExchange:
@@ -72,11 +99,7 @@ class PseudoGradExchange:
         :meth:`finish` waits for it)."""
         if self.two_stage:
             n = self.num_nodes
-            width = -(-message.numel() // n)
-            send = message
-            if message.numel() != n * width:  # the last slice padded with zeros
-                send = torch.zeros(n * width, dtype=message.dtype, device=message.device)
-                send.narrow(0, 0, message.numel()).copy_(message)
+            send, width = padded_slices(message, n)
             received = torch.empty_like(send)
             work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
             self.sent_bytes += 2 * (n - 1) * width * send.element_size()
@@ -102,14 +125,8 @@ class PseudoGradExchange:
     def _second_stage(self, flight: Flight) -> torch.Tensor:
         """Average this rank's slice over the peers (peer order, as :meth:`finish` sums), all-gather the slices."""
         n, width = self.num_nodes, flight.slice
-        parts = flight.gathered[0].view(n, width)
-        mine = parts[0].clone()
-        for part in parts[1:]:
-            mine.add_(part)
-        mine.div_(n)
-        out = torch.empty(n * width, dtype=mine.dtype, device=mine.device)
-        dist.all_gather(list(out.view(n, width).unbind(0)), mine, group=self.group)
-        return out.narrow(0, 0, flight.numel)
+        mine = mean_in_peer_order(flight.gathered[0].view(n, width).unbind(0), n)  # fp32 messages: their own adds
+        return all_gather_slices(mine, n, self.group).narrow(0, 0, flight.numel)
 
     def average(self, delta: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
         """Encode, exchange and average at once (blocking)."""

@@ -26,6 +26,8 @@ import torch
 
 from deepspeed import comm as dist
 
+from fcdp_deepspeed.diloco.exchange import all_gather_slices, mean_in_peer_order, padded_slices
+
 #: Elements averaged per collective: 16 Mi elements (64 MB in fp32) per message.
 CHUNK = 1 << 24
 
@@ -47,18 +49,10 @@ def average_over_peers_(flats: Sequence[torch.Tensor], peer_group: Any, num_node
     return sent
 
 
-def _mean(parts: Sequence[torch.Tensor], num_nodes: int) -> torch.Tensor:
-    """The peers' values summed in fp32 in peer order, divided by N (fp32)."""
-    total = parts[0].float()  # a copy unless fp32: then summed in place into the received buffer
-    for m in parts[1:]:
-        total.add_(m.float())
-    return total.div_(num_nodes)
-
-
 def _all_gather_(piece: torch.Tensor, peer_group: Any, num_nodes: int) -> int:
     gathered = [torch.empty_like(piece) for _ in range(num_nodes)]
     dist.all_gather(gathered, piece, group=peer_group)
-    piece.copy_(_mean(gathered, num_nodes))
+    piece.copy_(mean_in_peer_order(gathered, num_nodes))
     return (num_nodes - 1) * piece.numel() * piece.element_size()
 
 
@@ -68,16 +62,12 @@ def _two_stage_(piece: torch.Tensor, peer_group: Any, num_nodes: int) -> int:
     all-to-all), peer i averages the N slices it received by the same formula (fp32, peer order, divided by N, cast
     to the piece's dtype) and the peers all-gather the averaged slices: every element is computed once, by the
     all-gather path's operations in its order, so the result is bitwise that path's, on every peer, at 2 (N - 1) / N
-    of a piece per rank (as the pseudo-gradient exchange does, [Note: two stages on more than two nodes] in
-    ``exchange.py``)."""
+    of a piece per rank (the pseudo-gradient exchange's two stages and helpers, [Note: two stages on more than two
+    nodes] in ``exchange.py``)."""
     n, numel = num_nodes, piece.numel()
-    width = -(-numel // n)
-    send = torch.zeros(n * width, dtype=piece.dtype, device=piece.device)  # the last slice padded with zeros
-    send.narrow(0, 0, numel).copy_(piece)
+    send, width = padded_slices(piece, n)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=peer_group)
-    mine = _mean(received.view(n, width).unbind(0), n).to(piece.dtype)
-    out = torch.empty_like(send)
-    dist.all_gather(list(out.view(n, width).unbind(0)), mine, group=peer_group)
-    piece.copy_(out.narrow(0, 0, numel))
+    mine = mean_in_peer_order(received.view(n, width).unbind(0), n).to(piece.dtype)
+    piece.copy_(all_gather_slices(mine, n, peer_group).narrow(0, 0, numel))
     return 2 * (n - 1) * width * piece.element_size()

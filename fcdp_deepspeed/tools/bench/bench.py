@@ -433,9 +433,11 @@ def run_bench(spec: BenchSpec, out_dir: Path, progress: bool = True) -> list[dic
         rows.append(_combine(repeats, rate, spec))
     rows += bound_rows(rows)
     add_ratios(rows)
+    finished = time.time()
     # "date" (the end, local time) kept for the committed results that have only it
-    meta = {"spec": asdict(spec), "seconds": time.time() - started, "cpu_count": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "started_utc": _utc(started), "finished_utc": _utc(time.time())}
+    meta = {"spec": asdict(spec), "seconds": finished - started, "cpu_count": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(finished)), "started_utc": _utc(started),
+            "finished_utc": _utc(finished)}
     write_results(rows, meta, out_dir)
     return rows
 
