@@ -13,7 +13,8 @@
 - nothing in the package imports the startup hook, which imports nothing but the standard library and
   the package's standard-library-only modules (``activation/``'s startup path);
 - no import circle among the package's modules (module-level imports);
-- no class of the core is longer than 150 lines (one concern per class: split it, as ``grads/`` is split).
+- no class of the core is longer than 600 lines: one concept per class, as large as the concept is; the bound only
+  catches a class that has become several (a smaller cap split concepts along line counts, issue 48).
 """
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def test_the_circle_check_finds_circles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-MAX_CORE_CLASS_LINES = 150
+MAX_CORE_CLASS_LINES = 600
 
 
 def long_classes(source: str, limit: int = MAX_CORE_CLASS_LINES) -> dict[str, int]:
@@ -290,18 +291,19 @@ def long_classes(source: str, limit: int = MAX_CORE_CLASS_LINES) -> dict[str, in
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit}
 
 
-def test_no_core_class_over_150_lines():
+def test_no_core_class_over_the_bound():
     offenders = {name: found for name, path in core_modules().items() if (found := long_classes(path.read_text()))}
     assert not offenders, offenders
 
 
 def test_the_class_length_check_finds_long_classes():
-    """Broken variants: a 151-line class (also nested in a function) is reported, a 150-line one is not."""
-    body = "".join(f"    x{i} = {i}\n" for i in range(149))
+    """Broken variants: a class one line over the bound (also nested in a function) is reported, one at it is not."""
+    n = MAX_CORE_CLASS_LINES
+    body = "".join(f"    x{i} = {i}\n" for i in range(n - 1))
     assert long_classes(f"class Ok:\n{body}") == {}
-    assert long_classes(f"class Long:\n{body}    y = 0\n") == {"Long": 151}
+    assert long_classes(f"class Long:\n{body}    y = 0\n") == {"Long": n + 1}
     nested = "def f():\n" + "".join("    " + line + "\n" for line in f"class Inner:\n{body}    y = 0".splitlines())
-    assert long_classes(nested) == {"Inner": 151}
+    assert long_classes(nested) == {"Inner": n + 1}
 
 
 def test_the_core_never_imports_tooling_integrations_or_the_startup_hook():

@@ -11,23 +11,32 @@ from conftest import run_ranks
 
 
 # -- a stale cache is caught -----------------------------------------------------------------------
-def test_broken_invalidation_changes_losses():
-    """With invalidation switched off, the cache serves pre-step weights and losses diverge from
-    plain ZeRO-3: the parity tests would fail on a missing invalidation."""
-    res = run_ranks("invalidation:stale_probe", 4, break_invalidation=True)
-    for r in res:
+def test_deleted_listeners_cost_a_refetch_not_a_wrong_weight():
+    """With the optimizer's invalidation listeners deleted, every slot the step made stale is found at its next read
+    (``stale_refetched``) and refetched: the losses stay ZeRO-3's ([Note: freshness by construction])."""
+    for r in run_ranks("invalidation:stale_probe", 4, break_invalidation=True):
+        assert r["raised"] is None
+        assert r["fcdp"] == r["plain"]
+        assert r["stats"]["stale_refetched"] > 0
+
+
+def test_without_the_check_at_use_deleted_listeners_serve_stale_weights():
+    """The broken variant: listeners deleted and the check at use skipped, the cache serves pre-step weights and
+    the losses diverge from plain ZeRO-3 (so the parity tests would see it), and verify mode raises."""
+    for r in run_ranks("invalidation:stale_probe", 4, break_invalidation=True, break_check=True):
         assert r["raised"] is None
         assert r["fcdp"][0] == r["plain"][0]  # first step: nothing cached yet
         assert r["fcdp"][1:] != r["plain"][1:]
-
-
-def test_verify_mode_raises_on_stale_cache_and_passes_when_correct():
-    broken = run_ranks("invalidation:stale_probe", 4, break_invalidation=True, verify=True)
+    broken = run_ranks("invalidation:stale_probe", 4, break_invalidation=True, break_check=True, verify=True)
     assert all(r["raised"] and "differs from its plain ZeRO-3" in r["raised"] for r in broken)
+
+
+def test_verify_mode_passes_when_correct():
     healthy = run_ranks("invalidation:stale_probe", 4, break_invalidation=False, verify=True)
     for r in healthy:
         assert r["raised"] is None and r["fcdp"] == r["plain"]
         assert r["stats"]["verified_hits"] == r["stats"]["cache_hits"] > 0
+        assert r["stats"]["stale_refetched"] == 0
 
 
 # -- every value-changing event --------------------------------------------------------------------

@@ -46,6 +46,7 @@ from fcdp_deepspeed.diloco.fragments import Piece, fragment_due, piece_ranges, p
 from fcdp_deepspeed.diloco.layout import mask_padding_
 from fcdp_deepspeed.diloco.outer import OuterState, outer_step_
 from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.storage import freshness
 
 
 #: Test-only: ``FCDP_BREAK_DILOCO`` names broken variants the tests must catch: ``read_early`` (a completion reads
@@ -172,6 +173,7 @@ class DiLoCoSync:
         if not broken("skip_reassign"):
             for group in sorted({p.group for p in pieces}):
                 optimizer._reassign_or_swap_out_partitioned_parameters(group)
+                freshness.written(optimizer.fp16_groups[group], freshness.Write.OUTER)
         dist.all_reduce(squares, group=self.node_group)  # the node's norms: every rank of the node holds one shard
         device.host_wait(device.record_event())  # [Note: the host waits once per sync]
         drift, step = (math.sqrt(v) for v in device.small_to_host(squares))

@@ -57,6 +57,7 @@ from fcdp_deepspeed.machine import strict_device
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import GRAD_FAMILY, LEDGER, CommCounters
 from fcdp_deepspeed.runtime import FCDPRuntime
+from fcdp_deepspeed.storage import freshness
 
 _BUCKET = timeline.Phase.GRAD_BUCKET  # a gradient bucket's (or the window flush's) host time (timeline.py)
 assert not ds_compat.missing_internals(), f"DeepSpeed's stage-3 internals moved: {ds_compat.missing_internals()}"
@@ -124,11 +125,35 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         #: Host seconds per phase of inter-node work (``timeline.py``; ``get_stats``' ``timeline_*``).
         self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, init_optimizer, *args, **kwargs)
+        freshness.watch_partitions(module.parameters())  # partition(has_been_updated=True) stamps its parameters
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
     def _attach(self, module, ds_config: dict) -> None:
         """After DeepSpeed built the optimizer: attribute the parameters' gathers to this engine."""
         count_plain_engine(module, self.fcdp_comm, parse_fcdp_config(ds_config).ranks_per_node)
+
+    # [Note: freshness by construction] (storage/freshness.py): every write of a partition is stamped here, by
+    # every ZeRO-3 engine after install(), FCDP or plain, so a copy any engine holds is checked against it at use.
+    def _fcdp_written(self, kind: freshness.Write, params=None) -> None:
+        freshness.written(params if params is not None else (p for group in self.fp16_groups for p in group), kind)
+
+    def _unflatten_partitioned_parameters(self, sub_group_id: int) -> None:
+        super()._unflatten_partitioned_parameters(sub_group_id)
+        self._fcdp_written(freshness.Write.OPTIMIZER, self.fp16_groups[sub_group_id])
+
+    def _post_step(self, timer_names) -> None:
+        super()._post_step(timer_names)
+        self._fcdp_written(freshness.Write.OPTIMIZER)  # every owned partition, whichever path the step wrote it by
+
+    def load_state_dict(self, state_dict_list, *args, **kwargs):
+        out = super().load_state_dict(state_dict_list, *args, **kwargs)
+        self._fcdp_written(freshness.Write.LOAD)
+        return out
+
+    def checkpoint_event_epilogue(self) -> None:
+        # loads write frozen partitions too (through the module's state dict); saves take the same path
+        self._fcdp_written(freshness.Write.LOAD, (p for p in self.module.parameters() if hasattr(p, "ds_id")))
+        super().checkpoint_event_epilogue()
 
     # Gradient reduction and the step issue collectives of this engine: attribute them to its stats.
     def _attributed(self):
@@ -334,6 +359,7 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
         self.fcdp_comm = CommCounters()
         self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, *args, **kwargs)
+        freshness.watch_partitions(module.parameters())
         self._attach(module, load_ds_config(kwargs.get("ds_config")))
 
     def _attach(self, module, ds_config: dict) -> None:
@@ -361,7 +387,7 @@ class FCDPZeROOffload(CountedZeROOffload):
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm,
-                                clock=self.fcdp_clock).activate()
+                                clock=self.fcdp_clock, trains=False).activate()
         announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.
@@ -369,5 +395,6 @@ class FCDPZeROOffload(CountedZeROOffload):
         pass
 
     def checkpoint_event_epilogue(self) -> None:
+        freshness.written((p for p in self.module.parameters() if hasattr(p, "ds_id")), freshness.Write.LOAD)
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")

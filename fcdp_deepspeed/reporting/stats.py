@@ -403,6 +403,8 @@ class CacheCounters(EventCounters):
     """Batched refills of small stale parameters (``fcdp.miss_batch_bytes``); ``batched_params``: parameters in them."""
     batched_params: int = 0
     verified_gathers: int = 0
+    stale_refetched: int = 0
+    """Copies found older than their partition when read, dropped and refetched (``storage/freshness.py``)."""
     gather_fallbacks: Counter = field(default_factory=Counter)
     """Parameters the two-stage gather handed to DeepSpeed's flat ring, by reason."""
 

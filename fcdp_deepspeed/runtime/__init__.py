@@ -64,13 +64,15 @@ class FCDPRuntime:
 
     def __init__(self, config: FCDPConfig, ds_config: Mapping[str, Any], module: torch.nn.Module, dp_group: Any,
                  optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
-                 comm: Optional[CommCounters] = None, clock: Optional[PhaseClock] = None) -> None:
+                 comm: Optional[CommCounters] = None, clock: Optional[PhaseClock] = None, trains: bool = True) -> None:
         self.config = config
         self.ds_config = ds_config
         self.module = module
         self.dp_group = dp_group
         self.optimizer_ids = frozenset(p.ds_id for p in optimizer_params if hasattr(p, "ds_id"))
         self.param_names = dict(param_names or {})
+        #: Whether the engine has an optimizer (a step's end): the run-ahead plans there.
+        self.trains = trains
         self.log_interval = config.resolved_log_interval(ds_config.get("steps_per_print"))
         #: Shared by the parts: cache events (hits, fills, invalidations, steps) and this engine's collectives.
         self.counters = CacheCounters()
@@ -136,7 +138,7 @@ class FCDPRuntime:
             self.invalidation.listeners.append(functools.partial(partitions_edited, gather))
             for hook in self.attachment.hooks:
                 hook.listeners.append(lambda param, updated, g=gather: updated and partitions_edited(g))
-        self.runahead = build_runahead(self.config, gather, batcher)
+        self.runahead = build_runahead(self.config, gather, batcher, trains=self.trains)
         if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
             self.invalidation.listeners.append(self.runahead.cancel)
             for hook in self.attachment.hooks:
@@ -193,4 +195,7 @@ class FCDPRuntime:
         self.report.on_step_end()
 
     def stats(self) -> dict:
-        return {**self.report.stats(), "param_gather": self.param_gather}
+        out = {**self.report.stats(), "param_gather": self.param_gather}
+        if self.runahead is not None:  # every copy found stale at use, whichever kind ([Note: freshness by construction])
+            out["stale_refetched"] += self.runahead.counters.stale
+        return out

@@ -37,6 +37,15 @@ from fcdp_deepspeed.storage.cache import CacheEntry, NodeCache
 
 #: ``Attachment.uncached`` reason of every parameter when the DP group lies on one node.
 ONE_NODE = "one node (nothing to save across nodes)"
+#: ``Attachment.uncached`` reason of a parameter an earlier FCDP engine over the same model caches.
+#:
+#: [Note: two engines over one model] An evaluation engine built before the training engine, a reference model
+#: sharing modules with a policy, a re-initialization after a failed start: a parameter has one
+#: ``ds_secondary_tensor`` and one set of gather entry points, so the first engine that cached it keeps serving it,
+#: for every engine over the model; a later engine gives it no slot of its own (no second copy of the model in host
+#: memory). Every engine's writes stamp the parameter ([Note: freshness by construction] in ``storage/freshness.py``),
+#: so the first engine's slot is checked against the other engine's optimizer steps and loads at every read.
+SHARED = "cached by an earlier FCDP engine over the same model (its cache serves this engine too)"
 
 
 @dataclass(eq=False)
@@ -116,6 +125,10 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
         owner = init_owner(param)
         if id(owner) not in hooks:
             hooks[id(owner)] = _retrofit(owner, topo)
+        if any(cache.entry(param) is not None for cache in hooks[id(owner)].caches):
+            # [Note: two engines over one model] the earlier engine's slot and fetch path serve this one too
+            attached.uncached[SHARED] = attached.uncached.get(SHARED, 0) + 1
+            continue
         slot_numel = owner._aligned_size(param) // topo.ranks_per_node
         entry = CacheEntry(param=param, name=param_names.get(param, f"ds_id={param.ds_id}"), slot_numel=slot_numel,
                            start=slot_numel * topo.rank_in_node, dtype=param.ds_tensor.dtype)

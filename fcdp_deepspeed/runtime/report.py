@@ -96,6 +96,7 @@ class Report:
             "batched_refills": c.batched_refills,
             "batched_params": c.batched_params,
             "verified_gathers": c.verified_gathers,
+            "stale_refetched": c.stale_refetched,
             "param_gather_fallbacks": dict(c.gather_fallbacks),
             "h2d_async_copies": c.staged_copies,
             "h2d_async_bytes": c.staged_bytes,

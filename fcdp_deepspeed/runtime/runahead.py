@@ -71,6 +71,7 @@ a pending compressed group across a fetch that rewrote its references: a test mu
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
@@ -84,11 +85,14 @@ from fcdp_deepspeed import faults
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting.stats import EventCounters
 from fcdp_deepspeed.runtime.staged import StreamAhead
+from fcdp_deepspeed.storage import freshness
 
 BREAK_ENV = "FCDP_BREAK_PUSH"
 #: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
 DELAY_ENV = "FCDP_PUSH_DELAY"
 BREAKS = ("read_early", "skip_invalidation", "stale_reference")
+#: The most two-stage gathers one window's trace keeps (``RunAhead.trace``): bounded whatever runs between pushes.
+MAX_TRACE = 4096
 
 
 def push_broken(what: str) -> bool:
@@ -118,6 +122,9 @@ class RunAheadCounters(EventCounters):
     pushed_bytes: int = 0
     rolled: int = 0
     """Groups issued later, by a fetch that took a pushed group ([Note: a rolling push])."""
+    stale: int = 0
+    """Pending groups found older than a partition they hold when a fetch took them: dropped, gathered anew
+    ([Note: freshness by construction] in ``storage/freshness.py``; zero while every invalidation cancels)."""
 
 
 def _key(params: Sequence[torch.nn.Parameter]) -> tuple[int, ...]:
@@ -146,6 +153,9 @@ class Pending:
     nbytes: int = 0
     #: A compressed stage 1 ([Note: compressed groups run ahead]).
     lossy: bool = False
+    #: The partitions' stamps when stage 1 was issued (``freshness.py``): taken only while they are the stamps now.
+    taken: tuple[int, ...] = ()
+    params: tuple = ()
 
     def drop(self) -> None:
         """Complete the collective (every peer issued it) without using it: a compressed one decodes nothing and
@@ -163,8 +173,9 @@ class RunAhead:
     #: The engine's batched refill (``refill.py``): a batch it will make is pushed as one group.
     batcher: Any = None
     counters: RunAheadCounters = field(default_factory=RunAheadCounters)
-    #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params.
-    trace: list = field(default_factory=list)
+    #: The groups gathered in two stages since the last push, in order (``ds_id`` tuples) and their params; at most
+    #: ``MAX_TRACE`` (a window longer than that is not repeated whole: the plan is its tail, issued only if followed).
+    trace: deque = field(default_factory=lambda: deque(maxlen=MAX_TRACE))
     pending: dict = field(default_factory=dict)
     #: The planned groups the budget held back at the push, by key in plan order: issued as fetches take pending
     #: ones (a dict: a fetch drops its own key in O(1), and a group planned twice is issued once).
@@ -200,6 +211,12 @@ class RunAhead:
             stale = [] if push_broken("stale_reference") else _pop_overlapping_lossy(self.pending, key)
         if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
             stale, pending = stale + [pending], None
+        if pending is not None and not freshness.all_current(pending.params, pending.taken):
+            # written after it was issued and no invalidation cancelled it: never read ([Note: freshness by
+            # construction]); dropped as a cancelled group is, and the fetch crosses exactly
+            pending.drop()
+            self.counters.bump(stale=1)
+            pending = None
         if stale:  # [Note: compressed groups run ahead]: this fetch's stage 1 rewrites their references
             for old in stale:
                 old.drop()
@@ -227,7 +244,7 @@ class RunAhead:
         """At a step's end, after its invalidation: stage 1 of the next window's groups (:meth:`plan`), in order."""
         self.cancel(None, unused=True)
         with self._lock:
-            trace, self.trace = self.trace, []
+            trace, self.trace = self.trace, deque(maxlen=MAX_TRACE)
         faults.rank_skew(DELAY_ENV, dist.get_rank())  # test-only skew (FCDP_PUSH_DELAY)
         with self._lock:
             self.planned = {}
@@ -268,7 +285,8 @@ class RunAhead:
                 total += nbytes
                 # as for a stage 1 issued by its fetch: asynchronous (a compressed one encodes now, decodes when the
                 # fetch's queue waits for it); the test-only skew (FCDP_STAGE1_DELAY) and the trace included
-                self.pending[key] = Pending(key, *self.gather.ahead(params, lossy), nbytes, lossy)
+                taken = freshness.stamps(params)  # before the partitions are read
+                self.pending[key] = Pending(key, *self.gather.ahead(params, lossy), nbytes, lossy, taken, tuple(params))
                 issued += 1
                 self.counters.bump(pushed_bytes=nbytes)
         self.counters.bump(**{"rolled" if rolled else "pushed": issued})
@@ -299,13 +317,15 @@ class RunAhead:
         c = self.counters
         return {"param_push_groups": c.pushed, "param_push_rolled": c.rolled, "param_push_used": c.used,
                 "param_push_cancelled": c.cancelled, "param_push_unused": c.unused,
-                "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending)}
+                "param_push_bytes": c.pushed_bytes, "param_push_pending": len(self.pending), "param_push_stale": c.stale}
 
 
-def build_runahead(config: Any, gather: Any, batcher: Any = None) -> Optional[RunAhead]:
+def build_runahead(config: Any, gather: Any, batcher: Any = None, trains: bool = True) -> Optional[RunAhead]:
     """The engine's run-ahead, ``None`` where it does not apply (see [Note: the slow hop runs ahead]): the push when
-    ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off)."""
-    if gather is None or (gather.queue is None and not config.param_runahead_streams):
+    ``param_push_bytes`` is set, else from the window's first fetch with ``param_runahead_bytes`` (0: off). An engine
+    without an optimizer (``trains`` false) has no step's end to plan at, and every parameter it fetches twice is a
+    cache hit: nothing to run ahead."""
+    if not trains or gather is None or (gather.queue is None and not config.param_runahead_streams):
         return None
     budget, start = (config.param_push_bytes, Start.STEP_END) if config.param_push_bytes else \
         (config.param_runahead_bytes, Start.FIRST_FETCH)

@@ -33,7 +33,12 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from fcdp_deepspeed import faults
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting.stats import CacheCounters
+from fcdp_deepspeed.storage import freshness
 from fcdp_deepspeed.storage.memory import chunk_groups, chunks_cost, pinned_cost  # noqa: F401  (chunk_groups: re-exported)
+
+
+#: The invalidation reason of a slot found older than its partition when read ([Note: freshness by construction]).
+STALE_AT_USE = "stale_at_use"
 
 
 class EntryState(enum.Enum):
@@ -68,6 +73,8 @@ class CacheEntry:
     """Device copy of a host slot while one gather is being issued (see ``SlotCopies.staged``)."""
     ready: Any = field(default=None, repr=False)
     """Event recorded after the last copy into the slot (``None`` without streams): readers wait on it."""
+    taken: int = -1
+    """The partition's stamp when the slot was filled (``freshness.py``): the slot is served only while it matches."""
 
     @property
     def valid_numel(self) -> int:
@@ -303,8 +310,13 @@ class NodeCache:
         return self.entries.get(getattr(param, "ds_id", -1))
 
     def is_hit(self, entry: CacheEntry) -> bool:
+        """Whether the slot may serve the next gather: filled, and from the partition as it is now (a slot whose
+        invalidation never came is dropped here and refetched, [Note: freshness by construction])."""
         with self._lock:
             self._reconcile(entry)
+            if entry.state is EntryState.FILLED and not freshness.is_current(entry.param, entry.taken):
+                self.invalidate([entry], STALE_AT_USE)
+                self.counters.bump(stale_refetched=1)
             return entry.state is EntryState.FILLED
 
     def held_bytes(self, placement: Placement) -> int:
@@ -366,6 +378,7 @@ class NodeCache:
         """
         param, slot = entry.param, entry.slot
         assert slot is not None
+        entry.taken = freshness.stamp(param)
         n = entry.valid_numel
         fills = device.side_stream("fill")
         produced = device.record_event()

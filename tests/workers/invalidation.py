@@ -11,13 +11,17 @@ from fcdp_deepspeed.tools.harness import toy
 from workers.common import fcdp_block, forward, run_scenario, setup
 
 
-def stale_probe(break_invalidation: bool, verify: bool = False, steps: int = 3) -> dict:
-    """Train with FCDP, optionally with invalidation switched off, to show a stale cache is caught."""
+def stale_probe(break_invalidation: bool, verify: bool = False, steps: int = 3, break_check: bool = False) -> dict:
+    """Train with FCDP, optionally with the optimizer's invalidation listeners deleted (the check at use then finds
+    the stale slots: [Note: freshness by construction]) and optionally the check at use skipped too."""
     from fcdp_deepspeed.runtime import FCDPRuntime, StaleCacheError
+    from fcdp_deepspeed.storage import freshness
     setup()
     if break_invalidation:
         FCDPRuntime.invalidate_params = lambda self, params, reason: 0
         FCDPRuntime.invalidate_changed = lambda self: None
+    if break_check:
+        freshness.is_current = lambda param, taken: True
     sc = {"fcdp": {"verify": True}} if verify else {}
     plain = run_scenario({"steps": steps}, fcdp=False)
     try:

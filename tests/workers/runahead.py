@@ -9,6 +9,7 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime import runahead
+from fcdp_deepspeed.storage import freshness
 from fcdp_deepspeed.tools.harness import toy
 from workers.common import fcdp_block, forward, setup
 
@@ -53,13 +54,19 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
     setup()
     os.environ[runahead.DELAY_ENV] = f"2:{delay_s}"
     out = {"plain": _run(False, ckpt_dir, "plain")}
+    checked = freshness.is_current
     for name, broken, budget in (("fcdp", "", 2**30), ("read_early", "read_early", 2**30),
-                                 ("skip_invalidation", "skip_invalidation", 2**30), ("rolling", "", ROLLING_BYTES),
+                                 ("skip_invalidation", "skip_invalidation", 2**30),
+                                 ("skip_invalidation_unchecked", "skip_invalidation", 2**30),
+                                 ("rolling", "", ROLLING_BYTES),
                                  ("rolling_skip_invalidation", "skip_invalidation", ROLLING_BYTES),
                                  ("window", "", 0), ("window_rolling", "", 0), ("window_read_early", "read_early", 0)):
         os.environ[runahead.BREAK_ENV] = broken
+        if name.endswith("_unchecked"):  # the check at use skipped too ([Note: freshness by construction])
+            freshness.is_current = lambda param, taken: True
         out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
         os.environ[runahead.BREAK_ENV] = ""
+        freshness.is_current = checked
     out["lora"] = lora()  # in the same ranks: the LoRA test needs no process group of its own
     out["compressed"] = compressed()
     return out
