@@ -402,3 +402,40 @@ def test_integrations_import_their_framework_only_when_used():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=str(ROOT))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def ds_overrides_by_class(chain: tuple, base: type, plain: tuple = ()) -> dict[str, list[str]]:
+    """DeepSpeed methods of ``base`` (and its bases) redefined by the classes of ``chain`` other than ``plain`` and
+    DeepSpeed's own: method name -> the classes that define it."""
+    ds_names = {name for cls in base.__mro__ for name in vars(cls)} - {"__init__", "__new__", "__doc__", "__module__",
+                                                                          "__dict__", "__weakref__", "__qualname__"}
+    found: dict[str, list[str]] = {}
+    for cls in chain:
+        if cls in plain or cls in base.__mro__:
+            continue
+        for name in vars(cls):
+            if name in ds_names and callable(vars(cls)[name]):
+                found.setdefault(name, []).append(cls.__name__)
+    return found
+
+
+def test_every_deepspeed_method_is_overridden_once_in_the_fcdp_chain():
+    """The engine's order is written, not inherited (issue 47): no DeepSpeed stage-3 method is overridden by more than
+    one class of the FCDP optimizer's chain (the counting class aside), and the phase is an enum."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from fcdp_deepspeed.engine.stage3 import CountedStage3, FCDPStage3, Phase
+    found = ds_overrides_by_class(FCDPStage3.__mro__, DeepSpeedZeroOptimizer_Stage3, plain=(CountedStage3,))
+    twice = {name: owners for name, owners in found.items() if len(owners) > 1}
+    assert not twice, twice
+    assert set(found["step"]) == {"FCDPStage3"} and set(found["_post_step"]) == {"FCDPStage3"}
+    assert {p.name for p in Phase} >= {"TRAINING", "STEPPING", "CHECKPOINT"}
+
+    # broken variant: a mixin that overrides a method the engine class overrides too is reported
+    class Mixin:
+        def _post_step(self, timer_names):  # pragma: no cover - never called
+            pass
+
+    class Twice(FCDPStage3, Mixin):
+        pass
+    assert "_post_step" in {n for n, o in ds_overrides_by_class(Twice.__mro__, DeepSpeedZeroOptimizer_Stage3,
+                                                                 plain=(CountedStage3,)).items() if len(o) > 1}

@@ -1,5 +1,6 @@
-"""``FCDPStage3``'s DiLoCo hooks (a mixin first in its bases): the node layout before DeepSpeed builds the
-optimizer, the re-partition after its parameter offload, the sync after each step, the checkpoint barrier.
+"""``FCDPStage3``'s DiLoCo part (a mixin of helpers; the DeepSpeed overrides that call them are ``FCDPStage3``'s, in
+``stage3.py``): the node layout before DeepSpeed builds the optimizer, the re-partition after its parameter offload,
+the warm-up's gradient average before each step and the sync after it.
 
 Under DiLoCo the FCDP cache and gradient modes are not built: across nodes nothing is gathered or reduced
 between syncs, so there is nothing for them to save (``fcdp.diloco`` refuses their explicit settings).
@@ -13,7 +14,6 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed.compress.quant import codec_for, ready
 from fcdp_deepspeed.compress.state import CompressionState
-from fcdp_deepspeed.config import load_ds_config, parse_fcdp_config
 from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
 from fcdp_deepspeed.diloco.layout import check_same_start, repartition_over_node, valid_ranges
 from fcdp_deepspeed.diloco.outer import OuterState
@@ -39,31 +39,26 @@ def build_layout(dp_group: Any, ranks_per_node: Optional[int]) -> Topology:
 
 
 class DiLoCoSteps:
-    """DiLoCo on an ``FCDPStage3`` (inert when ``fcdp_diloco_topology`` is ``None``)."""
+    """DiLoCo's part of ``FCDPStage3`` (inert when ``fcdp_diloco_topology`` is ``None``); no DeepSpeed method is
+    overridden here."""
 
     fcdp_diloco_topology: Optional[Topology] = None
     fcdp_diloco: Optional[DiLoCoSync] = None
 
-    def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
-        fcdp_config = parse_fcdp_config(load_ds_config(kwargs.get("ds_config")))
-        if fcdp_config.enabled and fcdp_config.diloco is not None:  # each node one replica: ZeRO-3 over the node
-            self.fcdp_diloco_topology = build_layout(kwargs.get("dp_process_group"), fcdp_config.ranks_per_node)
-            kwargs = {**kwargs, "dp_process_group": self.fcdp_diloco_topology.group}
-        super().__init__(module, init_optimizer, *args, **kwargs)
+    def _diloco_kwargs(self, fcdp_config: Any, kwargs: dict) -> dict:
+        """Before DeepSpeed builds the optimizer: each node one replica, ZeRO-3 over the node (collective)."""
+        if not (fcdp_config.enabled and fcdp_config.diloco is not None):
+            return kwargs
+        self.fcdp_diloco_topology = build_layout(kwargs.get("dp_process_group"), fcdp_config.ranks_per_node)
+        return {**kwargs, "dp_process_group": self.fcdp_diloco_topology.group}
 
-    def _attach(self, module, ds_config: dict) -> None:
-        super()._attach(module, ds_config)  # disabled or DiLoCo: the plain engine's counting, no cache
-        if self.fcdp_diloco_topology is not None:
-            self._attach_diloco(parse_fcdp_config(ds_config))
-
-    def initialize_ds_offload(self, *args, **kwargs):
-        offload = super().initialize_ds_offload(*args, **kwargs)
+    def _diloco_repartition(self, module) -> None:
+        """After DeepSpeed's parameter offload: the parameters re-partitioned over the node."""
         topo = self.fcdp_diloco_topology
         if topo is not None:
-            moved = repartition_over_node(list(kwargs["module"].parameters()), topo.group)
+            moved = repartition_over_node(list(module.parameters()), topo.group)
             if dist.get_rank() == 0:
                 logger.info(f"fcdp.diloco: {moved} parameters re-partitioned over the node ({topo.ranks_per_node} ranks)")
-        return offload
 
     def _peer_group(self) -> Any:
         topo = self.fcdp_diloco_topology
@@ -89,20 +84,17 @@ class DiLoCoSteps:
                                                        peers))
         announce.announce_diloco(topo, cfg, self.fcdp_diloco.outer.nbytes)
 
-    def step(self, closure=None):
+    def _diloco_before_step(self) -> None:
+        """A warm-up step's gradient partitions averaged over the nodes ([Note: the warm-up] in diloco/warmup.py)."""
         sync = self.fcdp_diloco
-        if sync is not None and sync.in_warmup and not broken("skip_warmup"):  # [Note: the warm-up] in diloco/warmup.py
+        if sync is not None and sync.in_warmup and not broken("skip_warmup"):
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
                 # stage 3's reduced gradient partitions, as its step reads them (offload_optimizer is refused)
                 sync.warmup_bytes += average_over_peers_([self.grad_partitions_flat_buffer], self._peer_group(),
                                                          self.fcdp_diloco_topology.num_nodes)
-        out = super().step(closure)
+
+    def _diloco_after_step(self) -> None:
+        """The step counted; the fragment due completed (the outer step), the next one issued."""
         if self.fcdp_diloco is not None:
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
                 self.fcdp_diloco.after_step(self)
-        return out
-
-    def checkpoint_event_epilogue(self) -> None:
-        super().checkpoint_event_epilogue()
-        if self.fcdp_diloco is not None:
-            dist.barrier()  # [Note: `latest` names a complete checkpoint] in stage3.py: every node's files first

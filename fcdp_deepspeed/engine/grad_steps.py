@@ -1,7 +1,8 @@
-"""``FCDPStage3``'s gradient-path hooks (a mixin before ``CountedStage3``): DeepSpeed's bucket reduction goes to the
-engine's :class:`~fcdp_deepspeed.grads.GradReducer`, ``partition_grads`` applies the reducer's copy/add/skip decision,
-the inter-node stages in flight are delivered in FIFO order ([Note: the inter-node stage runs behind the backward] in
-``inflight.py``), and the end of the boundary backward flushes the node buffer's window sums.
+"""``FCDPStage3``'s gradient part (a mixin of helpers; the DeepSpeed overrides that call them are ``FCDPStage3``'s,
+in ``stage3.py``): DeepSpeed's bucket reduction goes to the engine's :class:`~fcdp_deepspeed.grads.GradReducer`,
+``partition_grads`` applies the reducer's copy/add/skip decision, the inter-node stages in flight are delivered in FIFO
+order ([Note: the inter-node stage runs behind the backward] in ``inflight.py``), and the end of the boundary backward
+flushes the node buffer's window sums.
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def _reduce_first_bucket_early(optimizer: Any, param: torch.nn.Parameter) -> Non
 
 
 class GradSteps:
-    """The gradient path's overrides of ``DeepSpeedZeroOptimizer_Stage3`` (see the module docstring)."""
+    """The gradient path's part of ``FCDPStage3`` (see the module docstring): no DeepSpeed method is overridden here;
+    ``super()`` in these helpers is the counting class, then DeepSpeed."""
 
     fcdp_grads: Optional[GradReducer]
 
@@ -100,8 +102,9 @@ class GradSteps:
             device.empty_accel_cache()
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the deliveries and flushes below are FCDP's.
-    def independent_gradient_partition_epilogue(self) -> None:
-        super().independent_gradient_partition_epilogue()
+    def _grads_after_backward(self) -> None:
+        """After DeepSpeed's ``independent_gradient_partition_epilogue``: the stages in flight delivered, and at the
+        window's boundary the node buffer's sums."""
         if self.fcdp_grads is None:
             return
         if not grads_broken("no_drain"):
@@ -109,21 +112,22 @@ class GradSteps:
         if ds_compat.is_boundary(self):
             self._flush_node_buffer()
 
-    def step(self, closure=None):
+    def _grads_drain_window(self) -> None:
+        """Before the step: never step without the window's sums (unreachable when the engine drives the backward and
+        the boundary)."""
         reducer = self.fcdp_grads
         if reducer is not None and (reducer.buffer.dirty or len(reducer.queue) or len(reducer.node_stages)) and \
                 not grads_broken("no_drain"):
-            # Unreachable when the engine drives the backward and the boundary; never step without the window's sums.
             self._deliver_inflight(keep=0)
             self._flush_node_buffer()
-        return super().step(closure)
 
-    def reduce_independent_p_g_buckets_and_remove_grads(self, param) -> None:
-        super().reduce_independent_p_g_buckets_and_remove_grads(param)
+    def _grads_after_gradient(self, param) -> None:
+        """After a gradient entered DeepSpeed's bucket."""
         _reduce_first_bucket_early(self, param)
 
-    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
-        # [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]
+    def _grads_reduce_bucket(self, params_to_reduce, *args, **kwargs):
+        """DeepSpeed's bucket reduction, its reduce-scatter the reducer's.
+        [Note: DeepSpeed's own arguments pass through: see ds_compat.AVG_SCATTER_ARGS]"""
         self._plan_buffer_if_window_grew()
         with bucket(self.fcdp_grads, params_to_reduce):
             partitions = getattr(super(), AVG_SCATTER)(params_to_reduce, *args, **kwargs)
@@ -154,7 +158,8 @@ class GradSteps:
             logger.info(f"fcdp: a window of more than one micro-step after initialize: node gradient-accumulation "
                         f"buffer allocated now ({fmt_bytes(reducer.buffer.nbytes)}/rank {reducer.buffer.device})")
 
-    def partition_grads(self, params_to_release, grad_partitions):
+    def _grads_partition(self, params_to_release, grad_partitions):
+        """DeepSpeed's ``partition_grads`` with the reducer's copy/add/skip decision."""
         reducer = self.fcdp_grads
         if reducer is None or not (reducer.node_accumulation or reducer.deferring):
             return super().partition_grads(params_to_release, grad_partitions)

@@ -38,6 +38,8 @@ accumulation steps changed after initialize.
 """
 from __future__ import annotations
 
+import enum
+
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -180,21 +182,15 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
 
 
 class CompressionSteps:
-    """``FCDPStage3``'s compression state around DeepSpeed's step and checkpoints (a mixin before
-    ``CountedStage3``): error-feedback residuals are committed when a step is applied and dropped otherwise
-    ([Note: residual commit] in ``compress/residual.py``), and saved/loaded in the ``fcdp_compression``
-    envelope of the optimizer's state dict ([Note: the envelope] in ``compress/state.py``), with the parameter
-    references and the events that drop them (``fcdp.param_compression``)."""
+    """``FCDPStage3``'s compression part (a mixin of helpers; no DeepSpeed method is overridden here): error-feedback
+    residuals are committed when a step is applied and dropped otherwise ([Note: residual commit] in
+    ``compress/residual.py``), and saved/loaded in the ``fcdp_compression`` envelope of the optimizer's state dict
+    ([Note: the envelope] in ``compress/state.py``), with the parameter references and the events that drop them
+    (``fcdp.param_compression``)."""
 
     fcdp: FCDPRuntime | None
     fcdp_state: CompressionState | None
     fcdp_grads: "grads.GradReducer | None"
-    #: Between ``_pre_step`` and the end of that ``step()``: DeepSpeed's own ``zero_grad`` inside an applied step
-    #: clears the gradients it is about to apply, so the residuals stay pending until ``_post_step``.
-    _fcdp_stepping = False
-    #: From ``checkpoint_event_prologue`` to the first ``_restore_from_bit16_weights`` or the epilogue: a restore now is
-    #: a load without the optimizer state (``load_module_only`` restores twice: refresh_fp32_params, then the engine).
-    _fcdp_reset_on_restore = False
 
     def _attach_compression(self, fcdp_config, trainable: list) -> None:
         """The envelope's parts: the runtime's parameter references, the gradient compressor's residuals."""
@@ -209,40 +205,151 @@ class CompressionSteps:
     def _fcdp_compressor(self):
         return None if self.fcdp_grads is None else self.fcdp_grads.comm.compressor
 
-    def _pre_step(self) -> None:
-        super()._pre_step()
-        self._fcdp_stepping = True
-
-    def zero_grad(self, set_to_none=True) -> None:
-        super().zero_grad(set_to_none)
+    def _compression_discard(self, skipped: bool) -> None:
+        """Gradients cleared without being applied (``skipped``: the overflow clean-up of a skipped step)."""
         compressor = self._fcdp_compressor()
-        if compressor is not None and not (self._fcdp_stepping and not self.overflow):
-            compressor.discard(skipped=self._fcdp_stepping)  # inside step(): the overflow clean-up of a skipped step
-            self._fcdp_stepping = False
+        if compressor is not None:
+            compressor.discard(skipped=skipped)
 
-    def _post_step(self, timer_names) -> None:
+    def _compression_commit(self) -> None:
+        """The step is applied: the residuals its gradients left are kept."""
         compressor = self._fcdp_compressor()
         if compressor is not None:
             compressor.commit(clip=self._fcdp_clip_coefficient())
-        self._fcdp_stepping = False
-        super()._post_step(timer_names)
 
     def _fcdp_clip_coefficient(self):
         """The factor this step's ``unscale_and_clip_grads`` applied beyond the loss scale, as a device tensor
         (``None`` without clipping): [Note: residuals and clipping] in ``compress/grads.py``."""
         return compress_grads.clip_coefficient(getattr(self, "_global_grad_norm", None), self.clip_grad)
 
+
+class Phase(enum.Enum):
+    """Where an ``FCDPStage3`` is in DeepSpeed's cycle: what a ``zero_grad`` or a restore of the bit16 weights means
+    depends on it."""
+
+    #: Forward and backward micro-steps of an accumulation window.
+    TRAINING = "training"
+    #: From ``_pre_step`` to ``_post_step`` (or to the overflow clean-up of a skipped step): DeepSpeed's own
+    #: ``zero_grad`` inside an applied step clears the gradients it is about to apply.
+    STEPPING = "stepping"
+    #: From ``checkpoint_event_prologue`` to the first ``_restore_from_bit16_weights`` or the epilogue: a restore now
+    #: is a load without the optimizer state (``load_module_only`` restores twice: refresh_fp32_params, then the
+    #: engine).
+    CHECKPOINT = "checkpoint"
+    #: Inside a checkpoint event, after its first restore.
+    RESTORED = "restored"
+
+
+class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
+    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache: the one class of the chain that overrides
+    DeepSpeed's methods (``CountedStage3`` below it only counts and stamps writes). Each override calls the parts in
+    the order it reads: parameters (``self.fcdp``, ``runtime/``), gradients (``GradSteps``, ``grads/``), compression
+    (``CompressionSteps``), DiLoCo (``DiLoCoSteps``, ``diloco/``)."""
+
+    def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
+        ds_config = load_ds_config(kwargs.get("ds_config"))
+        fcdp_config = parse_fcdp_config(ds_config)
+        if fcdp_config.enabled:
+            check_ds_config_compatible(ds_config)
+        self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
+        self.fcdp_grads: grads.GradReducer | None = None
+        self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
+        #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
+        self.fcdp_state: CompressionState | None = None
+        self.fcdp_phase = Phase.TRAINING
+        super().__init__(module, init_optimizer, *args, **self._diloco_kwargs(fcdp_config, kwargs))
+
+    # -- construction -------------------------------------------------------------------------------
+    def initialize_ds_offload(self, *args, **kwargs):
+        offload = super().initialize_ds_offload(*args, **_without_inherited_hpz_group(kwargs))
+        self._diloco_repartition(kwargs["module"])
+        return offload
+
+    def _attach(self, module, ds_config: dict) -> None:
+        fcdp_config = parse_fcdp_config(ds_config)
+        if not fcdp_config.enabled or fcdp_config.diloco is not None:
+            super()._attach(module, ds_config)  # disabled or DiLoCo: the plain engine's counting, no cache
+            if self.fcdp_diloco_topology is not None:
+                self._attach_diloco(fcdp_config)
+            return
+        params = [p for group in self.fp16_groups for p in group]
+        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
+        # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
+        self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
+            fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
+            self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
+            accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
+            accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
+        self._cap_reduce_bucket(fcdp_config.grad_bucket_size, [p for p in params if p.requires_grad])
+        announce.announce(self.fcdp, self.fcdp_grad_plan)
+        self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
+        _place_gradient_memory(self.fcdp_grads, self.fcdp.promotion)
+
+    # -- the backward: gradients ----------------------------------------------------------------------
+    def reduce_independent_p_g_buckets_and_remove_grads(self, param) -> None:
+        super().reduce_independent_p_g_buckets_and_remove_grads(param)
+        self._grads_after_gradient(param)
+
+    def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params_to_reduce, *args, **kwargs):
+        return self._grads_reduce_bucket(params_to_reduce, *args, **kwargs)
+
+    def partition_grads(self, params_to_release, grad_partitions):
+        return self._grads_partition(params_to_release, grad_partitions)
+
+    def independent_gradient_partition_epilogue(self) -> None:
+        super().independent_gradient_partition_epilogue()
+        self._grads_after_backward()
+
+    # -- the step, top to bottom: step -> _pre_step -> (DeepSpeed's writes: _unflatten_partitioned_parameters)
+    #    -> invalidate_secondary_tensor -> _post_step -> after the step; zero_grad between windows ----------------
+    def step(self, closure=None):
+        self._grads_drain_window()  # never step without the window's sums
+        self._diloco_before_step()  # a warm-up step's gradients averaged over the nodes
+        out = super().step(closure)  # counted; DeepSpeed's step calls the hooks below
+        self._diloco_after_step()  # the outer step, when one is due
+        return out
+
+    def _pre_step(self) -> None:
+        super()._pre_step()
+        self.fcdp_phase = Phase.STEPPING
+        if self.fcdp_grads is not None:
+            self.fcdp_grads.new_window(discard=False)
+
+    def _unflatten_partitioned_parameters(self, sub_group_id: int) -> None:
+        super()._unflatten_partitioned_parameters(sub_group_id)  # written (and stamped, CountedStage3)
+        if self.fcdp is not None:
+            self.fcdp.invalidate_params(self.fp16_groups[sub_group_id], "optimizer_write")
+
+    def invalidate_secondary_tensor(self) -> None:
+        if self.fcdp is None:
+            return super().invalidate_secondary_tensor()
+        self.fcdp.invalidate_changed()
+
+    def _post_step(self, timer_names) -> None:
+        self._compression_commit()  # the step was applied: its residuals stay
+        if self.fcdp_phase is Phase.STEPPING:  # (a load with a swapped optimizer runs _post_step too)
+            self.fcdp_phase = Phase.TRAINING
+        super()._post_step(timer_names)  # DeepSpeed's, then every owned partition stamped (CountedStage3)
+        if self.fcdp is not None:
+            self.fcdp.on_step_end()  # after the stamps: the run-ahead plans the next window from here
+
+    def zero_grad(self, set_to_none=True) -> None:
+        super().zero_grad(set_to_none)
+        stepping = self.fcdp_phase is Phase.STEPPING
+        if not (stepping and not self.overflow):  # DeepSpeed's own zero_grad inside an applied step keeps them
+            self._compression_discard(skipped=stepping)
+            if stepping:  # the overflow clean-up: a skipped step ends here
+                self.fcdp_phase = Phase.TRAINING
+        if self.fcdp_grads is not None:
+            self.fcdp_grads.new_window(discard=True)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
     def checkpoint_event_prologue(self) -> None:
         super().checkpoint_event_prologue()
-        self._fcdp_reset_on_restore = True  # only a load rewrites the weights in one (_restore_from_bit16_weights)
+        self.fcdp_phase = Phase.CHECKPOINT  # only a load rewrites the weights in one (_restore_from_bit16_weights)
         if self.fcdp is not None:
             self.fcdp.checkpoint_event(inside=True)
-
-    def checkpoint_event_epilogue(self) -> None:
-        self._fcdp_reset_on_restore = False
-        if self.fcdp_grads is not None and faults.invalidation_broken("checkpoint_window"):  # test-only: the old
-            self.fcdp_grads.new_window(discard=True)  # epilogue, which dropped the window's partial sums (issue 33)
-        super().checkpoint_event_epilogue()
 
     def state_dict(self):
         state = super().state_dict()
@@ -262,86 +369,28 @@ class CompressionSteps:
 
     def _restore_from_bit16_weights(self) -> None:
         super()._restore_from_bit16_weights()
-        if self._fcdp_reset_on_restore and self.fcdp_state is not None:
+        if self.fcdp_phase is Phase.CHECKPOINT and self.fcdp_state is not None:
             # a load without the optimizer state: [Note: weights rewritten without the optimizer state]
             self.fcdp_state.reset("weights restored")
-            self._fcdp_reset_on_restore = False
+            self.fcdp_phase = Phase.RESTORED
         elif self.fcdp is not None:  # refresh_fp32_params (weights edited): the next gathers cross exactly
             self.fcdp.weights_rewritten("weights restored")
-
-
-class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
-    """``DeepSpeedZeroOptimizer_Stage3`` plus a node-local parameter cache (``fcdp.diloco``: engine/diloco_steps.py)."""
-
-    def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
-        ds_config = load_ds_config(kwargs.get("ds_config"))
-        fcdp_config = parse_fcdp_config(ds_config)
-        if fcdp_config.enabled:
-            check_ds_config_compatible(ds_config)
-        self.fcdp: FCDPRuntime | None = None  # set before super(): overridden hooks run during init
-        self.fcdp_grads: grads.GradReducer | None = None
-        self.fcdp_grad_plan = None  # the resolved gradient modes (plan.GradPlan), set in _attach
-        #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
-        self.fcdp_state: CompressionState | None = None
-        super().__init__(module, init_optimizer, *args, **kwargs)
-
-    def initialize_ds_offload(self, *args, **kwargs):
-        return super().initialize_ds_offload(*args, **_without_inherited_hpz_group(kwargs))
-
-    def _attach(self, module, ds_config: dict) -> None:
-        fcdp_config = parse_fcdp_config(ds_config)
-        if not fcdp_config.enabled or fcdp_config.diloco is not None:  # disabled: plain, counted; DiLoCo: engine/diloco_steps.py
-            return super()._attach(module, ds_config)
-        params = [p for group in self.fp16_groups for p in group]
-        self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
-                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
-        # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
-        self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
-            fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
-            self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
-            accumulation_steps=self.gradient_accumulation_steps, path_blockers=grad_path_blockers(ds_config),
-            accumulation_blockers=grad_accumulation_blockers(ds_config), node_rss=self.fcdp.allocation.node_rss)
-        self._cap_reduce_bucket(fcdp_config.grad_bucket_size, [p for p in params if p.requires_grad])
-        announce.announce(self.fcdp, self.fcdp_grad_plan)
-        self._attach_compression(fcdp_config, [p for p in params if p.requires_grad])
-        _place_gradient_memory(self.fcdp_grads, self.fcdp.promotion)
-
-    def _pre_step(self) -> None:
-        super()._pre_step()
-        if self.fcdp_grads is not None:
-            self.fcdp_grads.new_window(discard=False)
-
-    def zero_grad(self, set_to_none=True) -> None:
-        super().zero_grad(set_to_none)
-        if self.fcdp_grads is not None:
-            self.fcdp_grads.new_window(discard=True)
-
-    def _unflatten_partitioned_parameters(self, sub_group_id: int) -> None:
-        super()._unflatten_partitioned_parameters(sub_group_id)
-        if self.fcdp is not None:
-            self.fcdp.invalidate_params(self.fp16_groups[sub_group_id], "optimizer_write")
-
-    def invalidate_secondary_tensor(self) -> None:
-        if self.fcdp is None:
-            return super().invalidate_secondary_tensor()
-        self.fcdp.invalidate_changed()
-
-    def _post_step(self, timer_names) -> None:
-        super()._post_step(timer_names)
-        if self.fcdp is not None:
-            self.fcdp.on_step_end()
 
     def checkpoint_event_epilogue(self) -> None:
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")
+        self.fcdp_phase = Phase.TRAINING
+        if self.fcdp_grads is not None and faults.invalidation_broken("checkpoint_window"):  # test-only: the old
+            self.fcdp_grads.new_window(discard=True)  # epilogue, which dropped the window's partial sums (issue 33)
         # the window's partial sums stay, as DeepSpeed's: [Note: a checkpoint inside a window] (grads/buffer.py)
-        super().checkpoint_event_epilogue()
-        if self.fcdp is not None:
+        super().checkpoint_event_epilogue()  # every partition stamped (CountedStage3), then DeepSpeed's
+        if self.fcdp is not None or self.fcdp_diloco is not None:
             # [Note: `latest` names a complete checkpoint] save_checkpoint calls this after the rank wrote its
             # files and before global rank 0 writes `latest`, with no collective in between (DeepSpeed 0.19.8,
             # engine.py save_checkpoint): a node killed while writing its optimizer states left `latest` naming
             # a checkpoint without them, and every restart failed to load it. Every rank's files first.
             dist.barrier()
+        if self.fcdp is not None:
             self.fcdp.checkpoint_event(inside=False)
 
 
