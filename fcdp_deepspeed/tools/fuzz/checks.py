@@ -26,6 +26,7 @@ import torch
 
 from deepspeed import comm as dist
 
+from fcdp_deepspeed.storage import freshness
 from fcdp_deepspeed.storage.cache import EntryState
 from fcdp_deepspeed.tools.fuzz import engines as eng
 from fcdp_deepspeed.tools.fuzz.events import Obs, Sequence, eval_
@@ -130,8 +131,11 @@ def compare_state(report: Report, seq: Sequence) -> dict[str, dict[str, torch.Te
 
 def check_coherence(report: Report, b: eng.Built, full: dict[str, torch.Tensor]) -> None:
     """Every FILLED slot is this rank's slice of the current value; only FILLED entries are gathered from."""
-    rt = b.fcdp
-    entries = {} if rt is None or rt.cache is None else {e.param.ds_id: e for e in rt.cache.entries.values()}
+    entries = {}  # every engine over the model: a later one shares the first one's slots (events.second_engine)
+    for engine in [*b.others, b.engine]:
+        rt = getattr(engine.optimizer, "fcdp", None)
+        if rt is not None and rt.cache is not None:
+            entries.update({e.param.ds_id: e for e in rt.cache.entries.values()})
     for pname, p in b.engine.module.named_parameters():
         entry = entries.get(p.ds_id)
         secondary = p.ds_secondary_tensor
@@ -143,6 +147,8 @@ def check_coherence(report: Report, b: eng.Built, full: dict[str, torch.Tensor])
             continue
         if secondary is not entry.slot:
             report.fail(b.kind.name, f"{pname} is FILLED but DeepSpeed's secondary is not its slot")
+        if not freshness.is_current(p, entry.taken):
+            continue  # older than its partition: the next read drops it ([Note: freshness by construction])
         n = entry.valid_numel
         want = full[pname][entry.start:entry.start + n]
         if not torch.equal(entry.slot[:n], want):

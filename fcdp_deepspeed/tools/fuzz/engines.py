@@ -87,6 +87,8 @@ class Built:
     engine: Any
     config: dict
     names: dict = field(default_factory=dict)  # parameter -> name
+    #: Other engines over the same model, kept alive (``events.second_engine``).
+    others: list = field(default_factory=list)
 
     @property
     def fcdp(self):

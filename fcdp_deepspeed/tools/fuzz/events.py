@@ -215,6 +215,29 @@ def train(seq: Sequence, micro: int, ckpt: bool = False, eval_between: bool = Fa
     return out
 
 
+def second_engine(seq: Sequence, train: bool = False) -> dict[str, Obs]:
+    """A second engine over each engine's model ([Note: two engines over one model] in ``runtime/attach.py``):
+    ``train`` false, an optimizer-less engine (an evaluation or reference model) that evaluates once and stays alive
+    beside the first; ``train`` true, a training engine that replaces the first (a re-initialization after a config
+    change, a policy rebuilt over the same modules): from now on its optimizer writes the partitions that the first
+    engine's fetch path serves. Plain ZeRO-3 does the same."""
+    ids = probe_input(seq.layout.vocab)
+
+    def build(b: eng.Built) -> Obs:
+        module = b.engine.module
+        if not train:
+            cfg = {k: v for k, v in b.config.items() if k not in ("optimizer", "fuzz_sgd_lr")}
+            cfg = {**cfg, "zero_allow_untested_optimizer": True}
+            other, *_ = deepspeed.initialize(model=module, config=cfg)
+            b.others.append(other)
+            return {"outputs": evaluate(other, ids)}
+        other = eng.initialize(b.kind, module, b.config)
+        b.others.append(b.engine)  # alive: its fetch path still serves the model
+        b.engine, b.names = other.engine, other.names
+        return {"outputs": evaluate(b.engine, ids)}
+    return seq.each(build)
+
+
 def eval_(seq: Sequence) -> dict[str, Obs]:
     """A ``no_grad`` forward in eval mode (an evaluation loop between steps)."""
     ids = probe_input(seq.layout.vocab)
@@ -329,5 +352,5 @@ def _module(b: eng.Built, index: int) -> tuple[str, torch.nn.Module]:
 EVENTS: dict[str, Callable[..., dict[str, Obs]]] = {
     "train": train, "eval": eval_, "gathered_write": gathered_write, "gathered_read": gathered_read,
     "hf_load": hf_load, "from_pretrained": from_pretrained, "set_requires_grad": set_requires_grad,
-    "set_lr": set_lr, "save": save, "load": load, "save16": save16,
+    "set_lr": set_lr, "save": save, "load": load, "save16": save16, "second_engine": second_engine,
 }

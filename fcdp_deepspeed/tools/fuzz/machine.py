@@ -29,7 +29,11 @@ def placements() -> st.SearchStrategy[dict]:
     """FCDP placement keys; each shrinks to its default (dropped from the dict)."""
     choices = {"cache_device": ("auto", "host", "device"), "host_budget": ("50%", 2048, 512, 0),
                "device_budget": ("auto", 1024), "miss_batch_bytes": (32 * 2**20, 0),
-               "param_gather": ("auto", "flat"), "keep_frozen": (True, False)}
+               "param_gather": ("auto", "flat"), "keep_frozen": (True, False),
+               # every copy kind: the run-ahead from the first fetch (default, small: rolling; off), the push (opt-in,
+               # whole or rolling), parameters below min_numel beside cached ones (biases, adapters: 16-32 elements)
+               "param_runahead_bytes": (64 * 2**20, 6000, 0), "param_push_bytes": (0, 64 * 2**20, 6000),
+               "min_numel": (0, 100)}
     return st.fixed_dictionaries({k: st.sampled_from(v) for k, v in choices.items()}).map(
         lambda d: {k: v for k, v in d.items() if v != choices[k][0]})
 
@@ -188,6 +192,11 @@ class EventMachine(RuleBasedStateMachine):
     @rule()
     def save16(self) -> None:
         self._event("save16")
+
+    @rule(train=st.booleans())
+    def second_engine(self, train: bool) -> None:
+        """A second engine over the same model: an evaluation engine beside it, or a training engine replacing it."""
+        self._event("second_engine", train=train)
 
     def teardown(self) -> None:
         if self.begun and self.server.sock is not None:

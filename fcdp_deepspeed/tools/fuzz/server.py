@@ -26,6 +26,7 @@ from typing import Any, Optional
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.faults import BREAK_ENV
+from fcdp_deepspeed.storage import freshness
 
 #: Sequences between full garbage collections ([Note: gc.freeze]).
 FULL_GC_EVERY = 8
@@ -67,6 +68,16 @@ def _warm_up() -> None:
     seq.end()
 
 
+#: A fault name of the searches (not a product switch): the check at use ([Note: freshness by construction] in
+#: ``storage/freshness.py``) replaced by one that finds every copy current, injected here in the rank server.
+UNCHECKED = "unchecked"
+_CHECKED = freshness.is_current
+
+
+def _never_stale(param, taken) -> bool:
+    return True
+
+
 class _Session:
     """One rank's side of the commands."""
 
@@ -81,8 +92,12 @@ class _Session:
         from fcdp_deepspeed.tools.fuzz.checks import check
         op = cmd["op"]
         if op == "begin":
-            if cmd.get("faults"):
-                os.environ[BREAK_ENV] = cmd["faults"]
+            named = [f for f in (cmd.get("faults") or "").split(",") if f]
+            # UNCHECKED (lab-only): the check at use skipped, so a broken listener serves its stale copy
+            freshness.is_current = _never_stale if UNCHECKED in named else _CHECKED
+            named = [f for f in named if f != UNCHECKED]
+            if named:
+                os.environ[BREAK_ENV] = ",".join(named)
             else:
                 os.environ.pop(BREAK_ENV, None)
             self.seq = self.events.Sequence.begin(cmd["config"])
