@@ -44,6 +44,44 @@ def test_bad_values_name_the_key(block, key):
     assert f"fcdp.{key}" in str(err.value)
 
 
+@pytest.mark.parametrize("block, keys, fix", [
+    # DiLoCo's int4 pseudo-gradients use the gradients' rotated codec (engine/diloco_steps.py): a power-of-two block
+    ({"compression_block": 96, "diloco": {"compression": "int4"}}, ["fcdp.compression_block", "fcdp.diloco.compression"],
+     "Fix: set compression_block to 64 or 128 (a power of two from 8 to 65536), or fcdp.diloco.compression to "
+     "\"int8\" or \"bf16\""),
+    ({"compression_block": 10, "diloco": {"sync_every": 4, "compression": "int4"}},
+     ["fcdp.compression_block", "fcdp.diloco.compression"], "Fix: set compression_block to 8 or 16"),
+    ({"compression_block": 96, "grad_compression": "int4"}, ["fcdp.compression_block", "fcdp.grad_compression"],
+     "Fix: set compression_block to 64 or 128."),
+    # the fix names blocks the key takes (8 to 65536), not the powers of two next to an out-of-range value
+    ({"compression_block": 7, "grad_compression": "int4"}, ["fcdp.compression_block"], "Fix: set compression_block to 8."),
+    ({"compression_block": 65538, "diloco": {"compression": "int4"}}, ["fcdp.compression_block"],
+     "Fix: set compression_block to 65536 (a power of two"),
+])
+def test_rotated_int4_refuses_a_block_that_is_not_a_power_of_two_by_key_with_the_fix(block, keys, fix):
+    """int4 gradients and int4 DiLoCo pseudo-gradients rotate each block (compress/quant.py, [Note: the rotation]):
+    refused at parsing, not by the codec's bare ValueError when the engine is built."""
+    with pytest.raises(FCDPConfigError) as err:
+        parse_fcdp_config({"fcdp": {"enabled": True, "ranks_per_node": 2, **block}})
+    assert all(k in str(err.value) for k in keys) and fix in str(err.value)
+
+
+@pytest.mark.parametrize("block", [
+    {"compression_block": 96, "param_compression": "int4"},  # parameters' int4 does not rotate
+    {"compression_block": 96, "param_compression": "int8", "grad_compression": "int8"},
+    {"compression_block": 10, "diloco": {"compression": "int8"}},
+    {"compression_block": 96, "diloco": {"compression": "bf16"}},
+    {"compression_block": 96, "diloco": {"compression": "int4", "enabled": False}},  # DiLoCo off
+    {"compression_block": 64, "diloco": {"compression": "int4"}},
+])
+def test_blocks_every_codec_takes_pass_and_build_their_codec(block):
+    from fcdp_deepspeed.compress.quant import codec_for
+    cfg = parse_fcdp_config({"fcdp": {"enabled": True, "ranks_per_node": 2, **block}})
+    codec_for(cfg.param_compression, cfg.compression_block)
+    codec_for(cfg.grad_compression, cfg.compression_block, side="grads")
+    if cfg.diloco is not None:  # as engine/diloco_steps.py builds it
+        codec_for(cfg.diloco.compression, cfg.compression_block, side="grads")
+
 @pytest.mark.parametrize("block, fix", [
     ({"enabled": "yes"}, "Fix: write true (a JSON boolean, no quotes)"),
     ({"enabled": 1}, "Fix: write true (a JSON boolean, no quotes)"),

@@ -303,6 +303,16 @@ def test_hf_trainer_with_peft_runs_diloco_with_the_config_key_alone():
     assert res[0]["losses"] != res[2]["losses"]  # the nodes train on their own samples
 
 
+def test_a_checkpoint_of_another_data_parallel_size_is_refused_on_every_rank_with_the_universal_fix(tmp_path):
+    """Saved on 2 nodes x 1 rank (DP world 2), loaded rigidly on 2 x 2 (DP world 4): DeepSpeed refuses it only on the
+    ranks that find their model-states file (the others fail with a bare AssertionError); FCDP refuses it on every
+    rank first, naming the universal checkpoint ([Note: loading another data-parallel size] in diloco/files.py)."""
+    run_ranks("diloco:save_with_dp_two", 2, ckpt_dir=str(tmp_path))
+    for msg in run_ranks("diloco:load_dp_two_into_four", 4, ckpt_dir=str(tmp_path)):
+        assert msg.startswith("RuntimeError: fcdp.diloco: cannot load the checkpoint") and "world size of 2" in msg
+        assert "this job has 4" in msg and "Fix:" in msg and "ds_to_universal" in msg and "load_universal" in msg
+
+
 def test_checkpoints_across_modes_refuse_rigid_loads_and_convert_through_universal(tmp_path):
     """An exact checkpoint into DiLoCo and a DiLoCo one into exact: refused by DeepSpeed's rigid load (with the fix)
     on every rank alike; through DeepSpeed's universal conversion each loads, weights as saved; a DiLoCo engine

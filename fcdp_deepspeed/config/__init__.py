@@ -21,11 +21,13 @@ import hjson
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from fcdp_deepspeed.config import ds_compat
-from fcdp_deepspeed.config.diloco import DiLoCoField, ds_problems as diloco_problems
+from fcdp_deepspeed.config.diloco import DiLoCoConfig, DiLoCoField, ds_problems as diloco_problems
 from fcdp_deepspeed.config.errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
 
 #: Default elements per scale block of the compression codec (``fcdp.compression_block``; ``compress/quant.py``).
 DEFAULT_BLOCK = 128
+#: The range of ``fcdp.compression_block``.
+MIN_BLOCK, MAX_BLOCK = 8, 2**16
 
 __all__ = ["Budget", "FCDPConfig", "FCDPConfigError", "FCDP_KEY", "allowed_keys", "check_block_placement",
            "check_ds_config_compatible", "load_ds_config", "parse_fcdp_config"]
@@ -249,10 +251,11 @@ class FCDPConfig(GradStageFields):
     """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
     """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
-    compression_block: int = Field(DEFAULT_BLOCK, ge=8, le=2**16, multiple_of=2, strict=True)
+    compression_block: int = Field(DEFAULT_BLOCK, ge=MIN_BLOCK, le=MAX_BLOCK, multiple_of=2, strict=True)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing; a power of two with
-    ``grad_compression: int4``, whose blocks are rotated). [Note: strict] A JSON integer only: ``"96"`` or ``96.0``
-    would skip the power-of-two rule below (it reads the raw value) and fail inside the codec without the key."""
+    ``grad_compression: int4`` or ``diloco.compression: int4``, whose blocks are rotated). [Note: strict] A JSON
+    integer only: ``"96"`` or ``96.0`` would skip the power-of-two rule below (it reads the raw value) and fail
+    inside the codec without the key."""
 
     log_interval: Optional[int] = Field(None, ge=0)
     """Optimizer steps between rank 0's ``[fcdp]`` log line and the ``fcdp/*`` monitor events. Default:
@@ -319,16 +322,40 @@ class FCDPConfig(GradStageFields):
 
 
 def _rotated_int4_needs_a_power_of_two_block(data: Any) -> None:
-    """``grad_compression: int4`` rotates each block by a Walsh-Hadamard matrix (``compress/quant.py``, [Note: the
-    rotation]), which exists for power-of-two sizes only."""
-    if not isinstance(data, Mapping) or data.get("grad_compression") != "int4":
+    """Rotated int4 (``codec_for(..., side="grads")``) rotates each block by a Walsh-Hadamard matrix
+    (``compress/quant.py``, [Note: the rotation]), which exists for power-of-two sizes only: ``grad_compression: int4``
+    and ``diloco.compression: int4`` (pseudo-gradients, the gradients' codec: ``engine/diloco_steps.py``) use it.
+    ``param_compression: int4`` and every ``int8`` do not rotate (any even block)."""
+    if not isinstance(data, Mapping):
         return
     block = data.get("compression_block", DEFAULT_BLOCK)
-    if isinstance(block, int) and not isinstance(block, bool) and block > 0 and block & (block - 1):
-        low = 1 << (block.bit_length() - 1)
+    if not (isinstance(block, int) and not isinstance(block, bool) and block > 0 and block & (block - 1)):
+        return
+    fix = " or ".join(str(b) for b in _powers_of_two_around(block))
+    if data.get("grad_compression") == "int4":
         raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.grad_compression = \"int4\": int4 gradients "
                               f"are rotated blockwise by a Walsh-Hadamard transform, which needs a power-of-two block. "
-                              f"Fix: set compression_block to {low} or {low * 2}.")
+                              f"Fix: set compression_block to {fix}.")
+    if _diloco_compression(data.get("diloco")) == "int4":
+        raise FCDPConfigError(f"fcdp.compression_block = {block} with fcdp.diloco.compression = \"int4\": DiLoCo's int4 "
+                              f"pseudo-gradients are rotated blockwise by a Walsh-Hadamard transform, which needs a "
+                              f"power-of-two block. Fix: set compression_block to {fix} (a power of two from "
+                              f"{MIN_BLOCK} to {MAX_BLOCK}), or fcdp.diloco.compression to \"int8\" or \"bf16\".")
+
+
+def _powers_of_two_around(block: int) -> list[int]:
+    """The powers of two next to ``block`` that ``compression_block`` takes (``[MIN_BLOCK, MAX_BLOCK]``)."""
+    low = 1 << (block.bit_length() - 1)
+    return [b for b in (low, low * 2) if MIN_BLOCK <= b <= MAX_BLOCK] or [min(max(low, MIN_BLOCK), MAX_BLOCK)]
+
+
+def _diloco_compression(diloco: Any) -> Optional[str]:
+    """``fcdp.diloco.compression`` of the raw (unparsed) ``diloco`` value when the block is on, else ``None``."""
+    if isinstance(diloco, Mapping):
+        return diloco.get("compression", "off") if diloco.get("enabled", True) is not False else None
+    if isinstance(diloco, DiLoCoConfig):
+        return diloco.compression if diloco.enabled else None
+    return None
 
 
 def _streams_runahead_is_exact(data: Any) -> None:

@@ -21,10 +21,20 @@ warning); ``_load_checkpoint`` refuses it before anything is read, on every rank
 the tag directory), naming the fix: DeepSpeed's universal checkpoint, which is keyed by
 parameter, not by partition. A universal load carries no DiLoCo state: the outer state restarts from the loaded
 weights (``diloco/state.py``).
+
+[Note: loading another data-parallel size] The same rigidity refuses a DiLoCo checkpoint saved with another
+data-parallel world size (another node count, or ranks per node): DeepSpeed 0.16.9-0.19.8 raise "used a DP world size
+of ..." in ``_load_zero_checkpoint`` (when it loads optimizer states, not ``load_module_only``), but only on the
+ranks that found their own ``*_model_states.pt`` (only node 0's ranks write them); a rank whose rank in its node is
+beyond the saved ranks per node finds none and fails earlier with a bare ``AssertionError``. ``_load_checkpoint`` refuses the same loads first, on every rank alike (it
+reads ``dp_world_size`` from node 0's first model-states file, which every DiLoCo checkpoint has), naming the fix:
+the universal checkpoint. The same size with another node layout (4 x 1 into 2 x 2, or back) is not caught
+here: DeepSpeed fails on every rank (a partition size mismatch, a missing node file, a bare ``AssertionError``).
 """
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from typing import Any, Callable
 
@@ -91,12 +101,41 @@ def cross_mode_problem(diloco: bool, tag_dir: str) -> str | None:
             f"weights with zero_to_fp32 and load them into the model before deepspeed.initialize.")
 
 
+def saved_dp_world_size(engine: Any, tag_dir: str) -> int | None:
+    """``dp_world_size`` of the checkpoint in ``tag_dir`` from its first data-parallel rank's model-states file (the
+    same file on every rank), ``None`` without one."""
+    first = sorted(glob.glob(os.path.join(glob.escape(tag_dir), "zero_pp_rank_0_mp_rank_*_model_states.pt")))
+    if not first:
+        return None
+    saved = engine.checkpoint_engine.load(first[0], map_location="cpu").get("dp_world_size")
+    return int(saved) if saved is not None else None
+
+
+def dp_size_problem(saved: int | None, now: int, tag_dir: str) -> str | None:
+    """Why a rigid load of a DiLoCo checkpoint of data-parallel world size ``saved`` into a DiLoCo engine of ``now``
+    must be refused, with the fix ([Note: loading another data-parallel size]); ``None`` when the sizes match."""
+    if saved is None or saved == now:
+        return None
+    return (f"fcdp.diloco: cannot load the checkpoint in {tag_dir}: it was saved with a data-parallel world size of "
+            f"{saved} and this job has {now}; ZeRO-3 checkpoints load rigidly, partition by partition, so DeepSpeed "
+            f"refuses it (\"used a DP world size of {saved}\"). Fix: convert it to a universal checkpoint (python -m "
+            f"deepspeed.checkpoint.ds_to_universal --input_folder {tag_dir} --output_folder {tag_dir}_universal) and "
+            f"load that with \"checkpoint\": {{\"load_universal\": true}} in the config (the weights load as node 0 "
+            f"saved them; the DiLoCo outer state restarts from them), or resume with the data-parallel world size it "
+            f"was saved with.")
+
+
 def _load_checkpoint(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapped(self, load_dir, tag, *args, **kwargs):
         if not self.load_universal_checkpoint() and "node_files" not in os.environ.get(BREAK_ENV, ""):
-            problem = cross_mode_problem(getattr(getattr(self, "optimizer", None), "fcdp_diloco", None) is not None,
-                                         os.path.join(load_dir, str(tag)))
+            diloco, tag_dir = getattr(getattr(self, "optimizer", None), "fcdp_diloco", None) is not None, \
+                os.path.join(load_dir, str(tag))
+            problem = cross_mode_problem(diloco, tag_dir)
+            # DeepSpeed's own refusal of another DP size, on every rank ([Note: loading another data-parallel size])
+            if problem is None and diloco and kwargs.get("load_optimizer_states", True) and \
+                    not kwargs.get("load_module_only", False):
+                problem = dp_size_problem(saved_dp_world_size(self, tag_dir), self.seq_dp_world_size, tag_dir)
             if problem is not None:
                 raise RuntimeError(problem)
         return original(self, load_dir, tag, *args, **kwargs)

@@ -248,3 +248,18 @@ def four_nodes(steps: int = 6, sync_every: int = 3) -> dict:
                        "delta": delta}
     res["pair"] = pair
     return res
+
+
+def save_with_dp_two(ckpt_dir: str) -> None:
+    """DiLoCo on 2 nodes x 1 rank (data-parallel world 2): one step, then save tag "dp2"."""
+    setup(ranks_per_node=1)
+    engine = toy.build_engine(_config(ranks_per_node=1))
+    _step(engine, 0, "fp32")
+    engine.save_checkpoint(ckpt_dir, tag="dp2")
+
+
+def load_dp_two_into_four(ckpt_dir: str) -> str:
+    """DiLoCo on 2 nodes x 2 ranks (data-parallel world 4) loading :func:`save_with_dp_two`'s checkpoint rigidly:
+    this rank's error message ("loaded" if it loaded)."""
+    setup()
+    return _load_error(_config(), ckpt_dir, "dp2")
