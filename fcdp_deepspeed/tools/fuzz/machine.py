@@ -178,6 +178,13 @@ class EventMachine(RuleBasedStateMachine):
         """``load_checkpoint`` into the running engines (fresh ones if the layout changed since the save)."""
         self._event("load", tag=tag, module_only=module_only)
 
+    @rule(tag=checkpoints, micro=st.integers(1, 2))
+    def rollback(self, tag: str, micro: int) -> None:
+        """A step, then at once ``load_checkpoint`` into the running engines (a job rolling back after a bad step):
+        the one point where groups the push issued at the step's end are still in flight at the load."""
+        self._event("train", micro=micro)
+        self._event("load", tag=tag)
+
     @rule(tag=checkpoints, module_only=st.booleans(), placement=st.none() | placements())
     def load_fresh(self, tag: str, module_only: bool, placement: Optional[dict]) -> None:
         """``load_checkpoint`` into fresh engines, with another placement (budgets, cache device) or not."""
