@@ -24,9 +24,9 @@ from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search
 
 #: The CI budget (docs/testing.md has the measured times): seeded, so every run tries the same sequences. The seeds
 #: were chosen once for what the searches must cover: CI_SEED's sequences try every event, WINDOW_SEED's draw a
-#: checkpoint event inside a window under the default gradient modes (a sweep of seeds 1-6, 2026-12-06).
+#: checkpoint event inside a window under the default gradient modes (a sweep of seeds 1-8, 2026-12-06).
 CI_SEQUENCES, CI_STEPS, CI_SHRINK_SECONDS = 12, 8, 120.0
-CI_SEED, WINDOW_SEED = 2, 1
+CI_SEED, WINDOW_SEED = 1, 1
 #: A broken variant must be found within this many sequences, then shrunk for at most this long.
 FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 8.0
 
