@@ -159,6 +159,14 @@ def test_two_engines_over_one_module_match_zero3(two_engines, kind):
         assert diff is None, f"rank {rank}, {kind}: first difference at {diff}"
 
 
+def test_a_failed_build_leaves_nothing_on_the_partition_hooks():
+    """A build that fails after attaching removes its cache and listeners from the model's ``zero.Init`` hooks, so a
+    later engine over the model is not handed the failed engine's entries (which have no slots)."""
+    for rank, r in enumerate(run_ranks("freshness:failed_start", 4)):
+        assert "injected" in r["first"] and r["hooks"] >= 1, (rank, r)
+        assert r["caches"] == 0 and r["listeners"] == 0, (rank, r)
+
+
 # -- 3. the run-ahead's trace in an optimizer-less engine ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def inference():

@@ -112,8 +112,10 @@ def _place_gradient_memory(reducer: "grads.GradReducer | None", promotion) -> No
 class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
     """What ``deepspeed.initialize`` builds for ZeRO-3 after :func:`~fcdp_deepspeed.install`:
     DeepSpeed's optimizer, unchanged except that this engine's collectives are counted for
-    ``get_stats`` (parameter gathers, gradient reduction, the step). With an enabled ``fcdp`` block,
-    ``__new__`` builds :class:`FCDPStage3` instead, so jobs without the block never run FCDP's code."""
+    ``get_stats`` (parameter gathers, gradient reduction, the step) and its writes of partitions are stamped
+    (``storage/freshness.py``: an FCDP engine over the same model checks its copies against them). With an enabled
+    ``fcdp`` block, ``__new__`` builds :class:`FCDPStage3` instead, so jobs without the block never run FCDP's cache,
+    gather or gradient code."""
 
     def __new__(cls, *args, **kwargs):
         if cls is CountedStage3 and _block_enabled(kwargs):

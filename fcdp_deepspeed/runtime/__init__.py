@@ -93,6 +93,8 @@ class FCDPRuntime:
         self.compression: Optional[ParamCompression] = None
         self.compression_state: Optional[ReferenceCheckpoint] = None
         self.runahead: Optional[RunAhead] = None
+        #: What this engine added to the model's partition hooks (removed again if its build fails).
+        self._hook_listeners: list = []
 
     @property
     def topology(self) -> Optional[Topology]:
@@ -103,9 +105,30 @@ class FCDPRuntime:
         return self.attachment.cache if self.attachment is not None else None
 
     def activate(self) -> "FCDPRuntime":
-        """Collective over the DP group: attach, allocate the agreed slots, wrap every gather."""
+        """Collective over the DP group: attach, allocate the agreed slots, wrap every gather. An engine whose build
+        fails after attaching leaves nothing behind on the model's partition hooks (a retry, a second engine, finds
+        the model as it was: [Note: two engines over one model] in ``attach.py``)."""
         params = [p for p in self.module.parameters() if hasattr(p, "ds_id")]
         self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
+        try:
+            return self._build(params)
+        except BaseException:
+            self._detach()
+            raise
+
+    def _listen(self, listener) -> None:
+        """``listener(param, has_been_updated)`` on every partition of the model (its ``zero.Init`` hooks)."""
+        for hook in self.attachment.hooks:
+            hook.listeners.append(listener)
+        self._hook_listeners.append(listener)
+
+    def _detach(self) -> None:
+        for hook in self.attachment.hooks:
+            if self.attachment.cache in hook.caches:
+                hook.caches.remove(self.attachment.cache)
+            hook.listeners[:] = [fn for fn in hook.listeners if fn not in self._hook_listeners]
+
+    def _build(self, params: list) -> "FCDPRuntime":
         # this engine's collectives are classified by its own layout (stats.CommLedger.layout_for)
         self.comm.node_of_rank, self.comm.layout_source = tuple(self.topology.node_of_rank), self.topology.source
         cache, topo = self.attachment.cache, self.attachment.topology
@@ -126,8 +149,7 @@ class FCDPRuntime:
             self.config, self.topology, gather, cache, self.allocation, self.optimizer_ids, params, self.param_names)
         if self.compression is not None:
             gather.compression = self.compression
-            for hook in self.attachment.hooks:
-                hook.listeners.append(self.compression.store.on_partition)
+            self._listen(self.compression.store.on_partition)
         batcher = MissBatcher(cache, gather, self.counters, self.config.miss_batch_bytes) if gather is not None else None
         self.fetch = FetchPath(cache, self.counters, self.comm, self.config.verify_rate, gather=gather, batcher=batcher,
                                clock=self.clock)
@@ -136,13 +158,11 @@ class FCDPRuntime:
         self.invalidation = Invalidation(cache, self.optimizer_ids, self.config.keep_frozen)
         if gather is not None and device.current().has_streams():  # [Note: the optimizer's writes] (staged.py)
             self.invalidation.listeners.append(functools.partial(partitions_edited, gather))
-            for hook in self.attachment.hooks:
-                hook.listeners.append(lambda param, updated, g=gather: updated and partitions_edited(g))
+            self._listen(lambda param, updated, g=gather: updated and partitions_edited(g))
         self.runahead = build_runahead(self.config, gather, batcher, trains=self.trains)
         if self.runahead is not None:  # every value-changing event cancels what it names (runahead.py)
             self.invalidation.listeners.append(self.runahead.cancel)
-            for hook in self.attachment.hooks:
-                hook.listeners.append(self.runahead.on_partition)
+            self._listen(self.runahead.on_partition)
         self.report = Report(self.attachment, self.allocation, self.counters, self.comm, self.log_interval,
                              self.monitor, promotion=self.promotion, clock=self.clock)
         extras = [part.stats for part in (self.runahead, ) if part is not None]

@@ -38,7 +38,8 @@ from fcdp_deepspeed.reporting.timeline import PhaseClock
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.runtime.refill import MissBatcher
 from fcdp_deepspeed.runtime.routing import Route, split_fetch
-from fcdp_deepspeed.storage.cache import CacheEntry, EntryState, NodeCache
+from fcdp_deepspeed.storage import freshness
+from fcdp_deepspeed.storage.cache import SLOT_OWNER, CacheEntry, EntryState, NodeCache
 
 
 class StaleCacheError(RuntimeError):
@@ -49,6 +50,13 @@ class StaleCacheError(RuntimeError):
 _ORIGINAL = "_fcdp_original"
 #: Attribute of a wrapper that only attributes bytes (a plain engine's, see :func:`count_gathers`).
 _COUNTING_ONLY = "_fcdp_counting_only"
+#: Attribute of an FCDP wrapper: the :class:`FetchPath` it belongs to.
+_FETCH = "_fcdp_fetch"
+
+
+def _lead(params: list) -> Optional[torch.nn.Parameter]:
+    """The parameter of a fetch whose entry point serves it: the lowest ``ds_id``, the same on every rank."""
+    return min(params, key=lambda p: p.ds_id) if params else None
 
 
 def unwrapped(fn: Callable) -> Callable:
@@ -168,7 +176,14 @@ class FetchPath:
         original_coalesced, original_gather = unwrapped(param.all_gather_coalesced), unwrapped(param.all_gather)
 
         def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
-            params, empty = _split_empty(list(params))
+            params = list(params)
+            lead = _lead(params)
+            if lead is not None and getattr(lead.all_gather_coalesced, _FETCH, None) is not fetch:
+                # [Note: two engines over one model] another engine's fetch path has the lowest ds_id of this
+                # fetch: it serves the fetch on every rank alike (DeepSpeed calls the first of a set's members)
+                return lead.all_gather_coalesced(params, safe_mode=safe_mode, quantize=quantize)
+            freshness.gathered(params)
+            params, empty = _split_empty(params)
             hits, checks = fetch.count_and_verify(params)
             handle = None
             if params:
@@ -181,6 +196,7 @@ class FetchPath:
 
         def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
             rest, empty = _split_empty(list(param_list) if param_list is not None else [param])
+            freshness.gathered(rest)
             _materialize_empty(empty)
             if not rest:
                 return [] if async_op else None
@@ -188,6 +204,7 @@ class FetchPath:
                 return original_gather(param_list=rest, async_op=async_op, hierarchy=hierarchy)
 
         setattr(all_gather_coalesced, _ORIGINAL, original_coalesced)
+        setattr(all_gather_coalesced, _FETCH, fetch)
         setattr(all_gather, _ORIGINAL, original_gather)
         param.all_gather_coalesced = all_gather_coalesced
         param.all_gather = all_gather
@@ -254,6 +271,12 @@ class FetchPath:
         rate = self.verify_rate
         for param in sorted(params, key=lambda p: p.ds_id):  # same order on every rank
             entry = self.cache.entry(param)
+            if entry is None and param.ds_secondary_tensor is not None:
+                # another engine's slot ([Note: two engines over one model]): checked at use by its own cache
+                owner = getattr(param, SLOT_OWNER, None)
+                foreign = owner.entry(param) if owner is not None else None
+                if foreign is not None:
+                    owner.is_hit(foreign)
             if entry is None or entry.state is EntryState.DISABLED:
                 uncached += 1
             elif self.cache.is_hit(entry):

@@ -65,6 +65,7 @@ from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
 from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
 from fcdp_deepspeed.runtime.staged import StreamAhead, copy_partitions, stages_on_streams
+from fcdp_deepspeed.storage import freshness
 
 
 def units(params: Sequence[torch.nn.Parameter], owner: dict, per_module: bool = False) -> list[list]:
@@ -169,7 +170,8 @@ class HierarchicalGather:
         layout, dtype = self.layout, params[0].ds_tensor.dtype
         part, nodes, own = sum(p.ds_tensor.ds_numel for p in params), layout.nodes, self.own_slot
         flat = device.accel_empty(part * layout.dp_size, dtype)
-        mine = copy_partitions(params, flat.narrow(0, own * part, part), self.stepped, self.edited)  # issuing stream
+        mine = copy_partitions(params, flat.narrow(0, own * part, part), self.stepped, self.edited,
+                               freshness.last_write())  # issuing stream
         return flat, flat.narrow(0, (own // nodes) * nodes * part, nodes * part), mine, part
 
     def _issue_one(self, params: list, lossy: bool = False, unit: Optional[list] = None) -> AllGatherCoalescedHandle:

@@ -36,6 +36,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from fcdp_deepspeed.reporting.stats import CacheCounters
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.storage.cache import EntryState, NodeCache
+from fcdp_deepspeed.storage import freshness
 
 
 def _full_bytes(param: torch.nn.Parameter) -> int:
@@ -96,6 +97,7 @@ class MissBatcher:
         params = self.batch()
         if not params:
             return []
+        freshness.gathered(params)
         self.gather.issue(params).wait()  # AVAILABLE: param.data holds the full parameter
         for p in params:
             p.partition()  # DeepSpeed's release: the slot fills (NodeCache.on_partition), the full tensor is freed

@@ -55,6 +55,7 @@ import torch
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.storage import freshness
 
 
 @dataclass(eq=False)
@@ -107,7 +108,8 @@ class StreamAhead:
         part, nodes = sum(p.ds_tensor.ds_numel for p in params), gather.layout.nodes
         with device.stream(self.inter):
             bundle = device.accel_empty(nodes * part, dtype)  # allocated, used and freed on this stream
-            mine = copy_partitions(params, bundle.narrow(0, self._offsets(part)[1], part), gather.stepped, gather.edited)
+            mine = copy_partitions(params, bundle.narrow(0, self._offsets(part)[1], part), gather.stepped,
+                                   gather.edited, freshness.last_write())
             dist.allgather_fn(bundle, mine, group=gather.peer_group, async_op=False)  # ordered on this stream
             stash = device.to_host(bundle, out=device.pin_empty(nodes * part, dtype))
             event = device.record_event()

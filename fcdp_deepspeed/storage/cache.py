@@ -39,6 +39,8 @@ from fcdp_deepspeed.storage.memory import chunk_groups, chunks_cost, pinned_cost
 
 #: The invalidation reason of a slot found older than its partition when read ([Note: freshness by construction]).
 STALE_AT_USE = "stale_at_use"
+#: The attribute naming the :class:`NodeCache` whose slot a parameter's ``ds_secondary_tensor`` is.
+SLOT_OWNER = "ds_fcdp_slot_owner"
 
 
 class EntryState(enum.Enum):
@@ -355,9 +357,11 @@ class NodeCache:
                 return
             if entry.state is EntryState.FILLED and faults.invalidation_broken("refresh"):
                 return  # test-only (FCDP_BREAK_INVALIDATION=refresh): the slot keeps the old value
-            self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED)
+            # the slot holds what the full tensor holds: the partitions it was gathered from, or the edit just made
+            taken = freshness.stamp(param) if has_been_updated else freshness.gathered_stamp(param)
+            self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED, taken=taken)
 
-    def _fill(self, entry: CacheEntry, refresh: bool) -> None:
+    def _fill(self, entry: CacheEntry, refresh: bool, taken: int) -> None:
         """Copy this rank's slice of the gathered parameter into the slot, asynchronously, off the compute stream.
 
         [Note: asynchronous fill] DeepSpeed releases in the post-forward hook, on the compute stream: a copy
@@ -378,7 +382,8 @@ class NodeCache:
         """
         param, slot = entry.param, entry.slot
         assert slot is not None
-        entry.taken = freshness.stamp(param)
+        entry.taken = taken
+        setattr(param, SLOT_OWNER, self)  # whichever engine's fetch path reads the slot finds its cache
         n = entry.valid_numel
         fills = device.side_stream("fill")
         produced = device.record_event()

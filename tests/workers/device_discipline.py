@@ -50,8 +50,8 @@ def sabotage(kind: str) -> None:
     elif kind == "blocking_fill":  # the fill waits for its copy on the host, as before the door
         original_fill = NodeCache._fill
 
-        def _fill(self, entry, refresh):
-            original_fill(self, entry, refresh)
+        def _fill(self, entry, refresh, taken):
+            original_fill(self, entry, refresh, taken)
             device.current_stream().synchronize()
 
         NodeCache._fill = _fill
@@ -167,8 +167,8 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
     if kind == "fill_ready":  # fills record no event: nothing waits for the copy into the slot
         original = NodeCache._fill
 
-        def _fill(self, entry, refresh):
-            original(self, entry, refresh)
+        def _fill(self, entry, refresh, taken):
+            original(self, entry, refresh, taken)
             entry.ready = None
 
         patches.set(NodeCache, "_fill", _fill)

@@ -224,6 +224,40 @@ def _two_engines(fcdp: bool, kind: str) -> dict:
     return rec
 
 
+def failed_start() -> dict:
+    """A training engine whose FCDP build fails after attaching (injected here: ``FCDPRuntime._build`` raises once):
+    what it leaves on the model's partition hooks (a ``zero.Init`` hook with caches and listeners). A later engine
+    over the model finds them there ([Note: two engines over one model]); a failed one must leave none. (A retry
+    through DeepSpeed itself is not possible here: the half-built DeepSpeed engine keeps its module hooks, which fail
+    on the next forward, ZeRO-3 alike.)"""
+    from fcdp_deepspeed.runtime import FCDPRuntime
+    from fcdp_deepspeed.runtime.attach import init_owner
+    setup()
+    cfg = toy.ds_config(fcdp_block(), regime="large")
+    fcdp_deepspeed.install()
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = toy.ToyModel(HIDDEN, 2)
+    real, out = FCDPRuntime._build, {"package": _package()}
+
+    def fail_once(self, params):
+        FCDPRuntime._build = real
+        raise RuntimeError("injected: the build fails after attach")
+    FCDPRuntime._build = fail_once
+    try:
+        deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=copy.deepcopy(cfg))
+    except RuntimeError as err:
+        out["first"] = str(err)
+    finally:
+        FCDPRuntime._build = real
+    hooks = {id(h): h for h in (init_owner(p).__dict__.get("_partition_param_sec") for p in model.parameters())
+             if h is not None}
+    out["hooks"] = len(hooks)
+    out["caches"] = sum(len(h.caches) for h in hooks.values())
+    out["listeners"] = sum(len(h.listeners) for h in hooks.values())
+    return out
+
+
 def two_engines(kinds: tuple = ("inference_and_training", "two_training_destroyed"),
                 modes: tuple = ("plain", "fcdp")) -> dict:
     """Scenario 2: each kind with plain ZeRO-3 engines, then with FCDP engines, on fresh modules."""
