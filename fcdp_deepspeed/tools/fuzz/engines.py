@@ -61,12 +61,14 @@ def _fcdp(**fixed: Any) -> Callable[[dict], dict]:
     return lambda placement: {"enabled": True, "ranks_per_node": RANKS_PER_NODE, **placement, **fixed}
 
 
-#: Engine kinds by name. A compressed config is one more entry with ``compare="lockstep"``, e.g.
-#: ``EngineKind("fcdp_int8", "lockstep", _fcdp(**EXACT_GRADS, param_compression="int8"))``.
+#: Engine kinds by name. ``fcdp_int8`` (``fcdp soak --engines zero3,fcdp_int8``) compares in lockstep: its
+#: compressed stage 1 is every rank's reconstruction, not ZeRO-3's value.
 KINDS: dict[str, EngineKind] = {k.name: k for k in (
     EngineKind("zero3", "reference"),
     EngineKind("fcdp", "exact", _fcdp(**EXACT_GRADS)),
     EngineKind("fcdp_defaults", "close", _fcdp()),
+    # compressed stage 1 (references, compressed run-ahead groups): replicas in lockstep, not ZeRO-3's values
+    EngineKind("fcdp_int8", "lockstep", _fcdp(**EXACT_GRADS, param_compression="int8", param_gather="auto")),
 )}
 
 
