@@ -8,7 +8,7 @@ gradient-accumulation buffer), ``alloc_residual_host``, ``alloc_residual_device`
 residuals). Unset in production: one environment lookup.
 
 ``FCDP_BREAK_INVALIDATION="checkpoint,refresh"`` skips the named invalidation paths (tests of the
-tests: the event state machine, ``fcdp_deepspeed/tools/fuzz``, must find each): ``optimizer_write``
+tests: the event state machine, ``fcdp_lab/fuzz``, must find each): ``optimizer_write``
 (``_unflatten_partitioned_parameters``), ``step_end`` (everything the step may have changed),
 ``requires_grad`` (the step end's rule for parameters that require grad now, e.g. unfrozen ones),
 ``checkpoint`` (the flush on checkpoint events), ``refresh`` (``partition(has_been_updated=True)``

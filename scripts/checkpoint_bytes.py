@@ -27,7 +27,7 @@ def measure(ckpt_dir: str, hidden: int, layers: int) -> dict:
     """Rank worker: every setting in turn, the tag directory's bytes (rank 0 reads them after a barrier)."""
     from deepspeed import comm as dist
 
-    from fcdp_deepspeed.tools.harness import toy
+    from fcdp_lab.harness import toy
     from workers.common import fcdp_block, setup
     setup(2)
     out = {}
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     with tempfile.TemporaryDirectory() as ckpt:
         res = run_local("checkpoint_bytes:measure", 4, {"ckpt_dir": ckpt, "hidden": args.hidden, "layers": args.layers},
                         timeout=900, pythonpath=[os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")])

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh ""  # no extras (and not the demo's arguments)
 export DS_ACCELERATOR=cpu
-python -m fcdp_deepspeed.tools.demo "$@"
+python -m fcdp_lab.demo "$@"

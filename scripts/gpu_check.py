@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False); run it on a GPU machine, "
               "or add --dry-run-cpu to exercise the logic on the CPU", file=sys.stderr)
         return 2
-    from fcdp_deepspeed.tools.gpu import check as gpu_check
+    from fcdp_lab.gpu import check as gpu_check
     dry = args.dry_run_cpu
     report = gpu_check.run(dry_run=dry, gpus=0 if dry else gpus, hidden=args.hidden or (32 if dry else 1024),
                            layers=args.layers or (3 if dry else 32), steps=args.steps, only=args.cases)

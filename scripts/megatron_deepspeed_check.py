@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fcdp_deepspeed.tools.megatron_compare import compare_results
+from fcdp_lab.megatron_compare import compare_results
 
 # (file, what it fixes, old text, new text). Each edit is applied only where the old text is found
 # verbatim, so re-running is a no-op and an upstream fix of one problem leaves the others working.
@@ -163,7 +163,7 @@ def cmd_configs(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Every FCDP run against the ZeRO-3 run of the same TP (fcdp_deepspeed.tools.megatron_compare)."""
+    """Every FCDP run against the ZeRO-3 run of the same TP (fcdp_lab.megatron_compare)."""
     results = Path(args.results_dir)
     ok, summary, lines = compare_results(results, expect_saving=args.expect_saving)
     print("\n".join(lines))

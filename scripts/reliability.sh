@@ -10,4 +10,4 @@ export DS_ACCELERATOR=cpu
 # The shm_comm op once, in this venv (see scripts/test.sh): a rank killed while building it leaves a lock behind.
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 timeout 900 python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null 2>&1 || true
-python -m fcdp_deepspeed.tools.reliability "$@"
+python -m fcdp_lab.reliability "$@"

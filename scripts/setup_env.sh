@@ -13,4 +13,11 @@ python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || tr
 # a looser spec resolved on its own pulls a CUDA build.
 python -m pip install -q -c constraints.txt torch 2>&1 | grep -v "^WARNING: Location" || true
 python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" || true
+# The lab (fcdp_lab/: harness, bench, fuzz, ... ; not in the wheel) on this venv's path, for every process of it:
+# tests, scripts and the rank processes they start.
+python - <<'PY'
+import os, site, sysconfig
+with open(os.path.join(sysconfig.get_paths()["purelib"], "fcdp_lab.pth"), "w") as f:
+    f.write(os.getcwd() + "\n")
+PY
 python -c "import fcdp_deepspeed, deepspeed, torch; print('fcdp-deepspeed', fcdp_deepspeed.__version__, '| deepspeed', deepspeed.__version__, '| torch', torch.__version__)"

@@ -105,7 +105,7 @@ def worker_target(worker: str) -> str:
 def run_ranks(worker: str, world_size: int = 4, timeout: float = 240, **kwargs):
     """Run ``tests/workers/<concern>.py:<function>(**kwargs)`` on ``world_size`` ranks, given as
     ``"<concern>:<function>"``; return per-rank results."""
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     return run_local(worker_target(worker), world_size, kwargs, timeout=timeout, pythonpath=[TESTS_DIR])
 
 

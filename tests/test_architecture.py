@@ -56,7 +56,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("tools",),               # beside a job, never inside one
 ]
 #: One-module ``fcdp`` commands and the dispatch that stay in ``tools/`` itself; every larger command is a folder.
-TOOLS_ROOT = {"__init__", "cli", "args", "configs", "demo", "doctor", "megatron_compare"}
+TOOLS_ROOT = {"__init__", "cli", "args", "configs", "doctor"}
+#: The lab: the repository's bench, harness, fuzz machine, ... (``fcdp_lab/``), never imported by the package.
+LAB = "fcdp_lab"
 
 
 def _module_name(path: Path) -> str:
@@ -257,6 +259,13 @@ def test_tools_are_grouped_by_command():
                     if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "COMMANDS")
     for name, (module, _) in commands.items():  # a one-module command, or a module of the command's folder
         assert module in package_modules() and module.count(".") in (2, 3), (name, module)
+
+
+def test_the_package_never_imports_the_lab():
+    """The wheel holds the plugin: no module of the package imports ``fcdp_lab`` (the lab is not installed)."""
+    found = sorted(f"{name} imports {imported}" for name, path in package_modules().items()
+                   for imported in imported_names(path, name) if _under(imported, LAB))
+    assert not found, found
 
 
 def test_the_checks_see_the_whole_package():

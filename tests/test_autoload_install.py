@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.harness.launch import free_port
+from fcdp_lab.harness.launch import free_port
 from fcdp_deepspeed.version import __version__
 
 pytestmark = pytest.mark.slow

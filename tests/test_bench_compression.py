@@ -1,4 +1,4 @@
-"""``fcdp bench`` with compression (issue 23): the compressed engines' blocks, layouts, ratios against the exact
+"""``python -m fcdp_lab bench`` with compression (issue 23): the compressed engines' blocks, layouts, ratios against the exact
 bound and the exact defaults, the LoRA step-time floor, the targets and the preset. Arithmetic on made-up
 rows; the runs themselves are the lead's (docs/BENCHMARKS.md)."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from fcdp_deepspeed.tools.bench import bench
-from fcdp_deepspeed.tools.bench.compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, compression_stats,
+from fcdp_lab.bench import bench
+from fcdp_lab.bench.compression import (COMPRESSED_ENGINES, PRESETS, TARGETS, compression_stats,
                                                     parse_layouts, targets, targets_markdown)
 
 
@@ -107,7 +107,7 @@ def test_committed_rows_keep_their_ratios():
 
 
 def test_committed_compression_run_meets_every_target():
-    """docs/bench_compression_*.json (``fcdp bench --preset compression``, the lead's quiet-machine run): every
+    """docs/bench_compression_*.json (``python -m fcdp_lab bench --preset compression``, the lead's quiet-machine run): every
     target of :data:`TARGETS` is decided by the part that decides it, met, and recomputes from the committed rows."""
     import json
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""The committed runs of issue 31 (docs/bench_overlap_*_results.json: ``fcdp bench`` with ``fcdp_node@before`` = the
+"""The committed runs of issue 31 (docs/bench_overlap_*_results.json: ``python -m fcdp_lab bench`` with ``fcdp_node@before`` = the
 last landed commit, 10fb96a, and ``fcdp_node`` = this tree, interleaved in one run each): every shaped row has its
 limit and timeline, the overlap changed no value and no byte, docs/BENCHMARKS.md quotes exactly these numbers (its
 tables are regenerated from the JSON here) and says, per target, what the numbers say."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.bench import timeline_plot
+from fcdp_lab.bench import timeline_plot
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 RUNS = ("bench_overlap_ga1_results.json", "bench_overlap_prefetch_results.json", "bench_overlap_ga4_results.json")
@@ -200,7 +200,7 @@ def test_the_sampled_links_agree_with_the_kernel_counts_and_are_quoted():
     its busiest uplink's frames at the rate are the bench's own per-step frame count within 1% (exact GA 1: every
     step moves the same bytes), the idle never exceeds the step minus that floor, and BENCHMARKS.md quotes the
     table ``bench.md`` printed."""
-    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    from fcdp_lab.bench.bench import links_markdown
     rows = [r for r in _rows("bench_overlap_links_ga1_results.json") if r["rate_mbit"] == 100]
     assert len(rows) == 5
     for r in rows:
@@ -215,7 +215,7 @@ def test_one_group_runs_nothing_ahead_in_the_committed_lora_run_and_is_quoted():
     0) where the tree before it did, with the same losses; BENCHMARKS.md quotes the sampled GA 4 and LoRA runs."""
     by = _by("bench_overlap_onegroup_lora10_results.json")
     assert by[(10, AFTER)]["timeline_s"]["push_wait"] == 0 < by[(10, BEFORE)]["timeline_s"]["push_wait"]
-    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    from fcdp_lab.bench.bench import links_markdown
     text = (DOCS / "BENCHMARKS.md").read_text()
     for name, rate in (("bench_overlap_links_ga4_results.json", 100), ("bench_overlap_links_lora10_results.json", 10),
                        ("bench_overlap_onegroup_lora10_results.json", 10)):
@@ -351,7 +351,7 @@ def test_the_closing_verdicts_follow_from_their_numbers():
 def test_the_closing_link_samples_are_quoted():
     """The closing run's sampled pair (prefetch 5e7 on and off): the sampled uplink agrees with the kernel's frames and
     BENCHMARKS.md quotes both traced steps."""
-    from fcdp_deepspeed.tools.bench.bench import links_markdown
+    from fcdp_lab.bench.bench import links_markdown
     text = (DOCS / "BENCHMARKS.md").read_text()
     for regime in ("default", "large"):
         rows = _rows(f"bench_overlap_closing_links_{regime}_results.json")

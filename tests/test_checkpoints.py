@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import run_ranks
-from fcdp_deepspeed.tools.harness.launch import RankFailure
+from fcdp_lab.harness.launch import RankFailure
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+import fcdp_lab.__main__ as lab_cli
 from fcdp_deepspeed.tools import cli, doctor
 from fcdp_deepspeed.tools.plan import planner
 from fcdp_deepspeed.tools.plan.compression import compressed_step
@@ -18,7 +19,7 @@ PLAN = ["--params", "7B", "--nodes", "4", "--ranks-per-node", "8"]
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
     try:
-        code = cli.main(argv)
+        code = (lab_cli.main if argv[0] in cli.LAB_COMMANDS else cli.main)(argv)
     except SystemExit as exc:  # argparse's exit
         code = exc.code
     out = capsys.readouterr()
@@ -47,6 +48,8 @@ def test_bad_input_is_one_line_naming_the_option(argv, needle, capsys):
 def test_unknown_command_is_named_with_the_nearest(capsys):
     code, _, err = run(["plna"], capsys)
     assert code == 2 and "unknown command 'plna' (did you mean 'plan'?)" in err and "usage: fcdp" in err
+    code, err = cli.main(["bench"]), capsys.readouterr().err
+    assert code == 2 and "python -m fcdp_lab bench" in err  # a lab command, named with where it lives
     code, out, _ = run(["--version"], capsys)
     assert code == 0 and out.startswith("fcdp-deepspeed ")
 
@@ -54,7 +57,8 @@ def test_unknown_command_is_named_with_the_nearest(capsys):
 @pytest.mark.parametrize("command", ["plan", "demo", "bench", "doctor"])
 def test_help_names_the_subcommand_and_its_defaults(command, capsys):
     code, out, _ = run([command, "--help"], capsys)
-    assert code == 0 and out.startswith(f"usage: fcdp {command} ")
+    prog = f"python -m fcdp_lab {command}" if command in cli.LAB_COMMANDS else f"fcdp {command}"
+    assert code == 0 and out.startswith(f"usage: {prog} ")
     if command != "doctor":
         assert "(default: " in out
     if command == "plan":

@@ -7,7 +7,7 @@ import pytest
 
 from fcdp_deepspeed.config import (Budget, FCDPConfigError, check_ds_config_compatible, load_ds_config,
                                    parse_fcdp_config)
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 
 
 def test_absent_or_disabled_block_is_plain():

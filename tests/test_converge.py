@@ -1,4 +1,4 @@
-"""The convergence benchmark's pieces (``fcdp converge``): data split, model size, batches, the results writer
+"""The convergence benchmark's pieces (``python -m fcdp_lab converge``): data split, model size, batches, the results writer
 and resume logic, and one live few-step run on 4 ranks (simulated nodes) whose ranks must agree bit for bit.
 The 500-step sweep itself is run by hand (docs/BENCHMARKS.md)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from fcdp_deepspeed.tools.converge import (converge, reference as converge_reference, report as converge_report,
+from fcdp_lab.converge import (converge, reference as converge_reference, report as converge_report,
         textdata, tinylm)
-from fcdp_deepspeed.tools.converge.model_hash import all_equal
+from fcdp_lab.converge.model_hash import all_equal
 
 
 def test_split_is_deterministic_disjoint_and_covers_the_corpus():
@@ -99,7 +99,7 @@ def test_results_writer_summary_and_resume(tmp_path, monkeypatch):
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a recorded setting with the same spec was run again")
-    monkeypatch.setattr("fcdp_deepspeed.tools.harness.launch.run_local", no_launch)
+    monkeypatch.setattr("fcdp_lab.harness.launch.run_local", no_launch)
     got = converge.run_converge(spec, tmp_path, netns=False, log=lambda *_: None)
     assert [r["key"] for r in got] == ["exact-fp32", "int4-fp32"]
     # a record of the same spec trained by the unrotated int4 codec (written before records named their codecs) is
@@ -167,7 +167,7 @@ def test_committed_convergence_run_meets_its_claims():
     from pathlib import Path
     path = Path(__file__).resolve().parent.parent / "docs" / converge_report.RESULTS
     if not path.exists():
-        pytest.skip("no committed convergence run yet (fcdp converge --out docs)")
+        pytest.skip("no committed convergence run yet (python -m fcdp_lab converge --out docs)")
     doc = json.loads(path.read_text())
     for r in doc["records"]:
         assert r["steps"] >= 500 and r["params"] >= 1_000_000 and (r["nodes"], r["world"]) == (2, 4), r["key"]

@@ -18,7 +18,7 @@ import torch
 
 from conftest import run_ranks
 from fcdp_deepspeed.machine import device
-from fcdp_deepspeed.tools.harness.launch import RankFailure
+from fcdp_lab.harness.launch import RankFailure
 
 #: DeepSpeed's throughput timer synchronizes the device at every forward and step from step 2 (on CUDA too):
 #: off, so FCDP's own stream orderings are what the stream-order model checks.

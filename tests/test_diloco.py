@@ -157,7 +157,7 @@ def test_every_rank_draws_its_own_samples_and_the_batch_stays_global(fp32):
 
 def _checkpoint_run(ckpt_dir: str, env: dict | None = None, compression: str = "int8") -> list:
     from conftest import TESTS_DIR, worker_target
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     return run_local(worker_target("diloco:checkpoint"), 4, dict(ckpt_dir=ckpt_dir, save_at=4, steps=8, sync_every=H,
                                                                  compression=compression),
                      timeout=240, env=env, pythonpath=[TESTS_DIR])
@@ -188,7 +188,7 @@ def test_checkpoint_with_deepspeeds_file_ownership_does_not_resume_exactly(tmp_p
     """The broken variant: only node 0's files, read by every node (DeepSpeed's naming over the node group). Node 1
     then finds node 0's DiLoCo part (another node's layout), restarts its outer state from node 0's mid-interval
     weights, and the load's agreement check refuses the nodes' different outer parameters."""
-    from fcdp_deepspeed.tools.harness.launch import RankFailure
+    from fcdp_lab.harness.launch import RankFailure
     with pytest.raises(RankFailure, match="different outer parameters after the checkpoint load"):
         _checkpoint_run(str(tmp_path), env={"FCDP_BREAK_DILOCO": "node_files"})
 
@@ -263,7 +263,7 @@ def test_committed_throughput_meets_the_targets_and_the_doc_quotes_it():
     import json
     from pathlib import Path
 
-    from fcdp_deepspeed.tools.bench import diloco as bench_diloco
+    from fcdp_lab.bench import diloco as bench_diloco
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "docs" / "bench_diloco_throughput_results.json").read_text())
     again = bench_diloco.ratios(data["rows"])  # the ratios follow from the committed rows
@@ -336,7 +336,7 @@ def test_the_outer_optimizer_sweep_and_the_doc_quote_each_other():
     every setting's held-out loss and its ratio to exact; plain averaging is the best of them."""
     import json
     from pathlib import Path
-    from fcdp_deepspeed.tools.converge import converge
+    from fcdp_lab.converge import converge
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "docs" / "converge_diloco_outer_sweep.json").read_text())
     doc = (root / "docs" / "DILOCO.md").read_text()
@@ -351,12 +351,12 @@ def test_the_outer_optimizer_sweep_and_the_doc_quote_each_other():
 
 
 def test_committed_convergence_sweep_and_the_doc_quote_each_other():
-    """docs/converge_diloco_results.json (`fcdp converge`, 500 steps, the 1.33M-parameter byte GPT): every rank bitwise
+    """docs/converge_diloco_results.json (`python -m fcdp_lab converge`, 500 steps, the 1.33M-parameter byte GPT): every rank bitwise
     equal at the end; docs/DILOCO.md quotes every DiLoCo row's held-out loss against exact's, and whether it is
     within the issue's 2%."""
     import json
     from pathlib import Path
-    from fcdp_deepspeed.tools.converge import converge, report as converge_report
+    from fcdp_lab.converge import converge, report as converge_report
     root = Path(__file__).resolve().parent.parent
     doc = (root / "docs" / "DILOCO.md").read_text()
     for name, dtype in (("converge_diloco_results.json", "fp32"), ("converge_diloco_bf16_results.json", "bf16")):

@@ -19,7 +19,7 @@ SCHEDULE = [(0, 2, 3), (1, 4, 5), (0, 6, 7), (1, 8, 9)]
 
 
 def _train(env: dict | None = None, **diloco) -> list:
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     kwargs = dict(steps=STEPS, sync_every=H, fragments=F, overlap_steps=TAU) | diloco
     return run_local(worker_target("diloco:train"), 4, kwargs, timeout=240, env=env, pythonpath=[TESTS_DIR])
 
@@ -114,7 +114,7 @@ def test_without_the_partition_write_the_nodes_differ_after_a_fragment_sync():
 
 
 def _checkpoint_run(ckpt_dir: str, env: dict | None = None) -> list:
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     return run_local(worker_target("diloco:checkpoint"), 4,
                      dict(ckpt_dir=ckpt_dir, save_at=2, steps=8, sync_every=H, fragments=F, overlap_steps=TAU,
                           compression="int8"), timeout=240, env=env, pythonpath=[TESTS_DIR])
@@ -138,7 +138,7 @@ def test_strict_device_mode_orders_the_exchange_before_its_use():
     (enabled and synchronized by default) synchronizes the device from step 2, which orders every stream, the
     collectives' included, before the completion, in the model as on CUDA (measured: with overlap 1 the broken
     variant goes unreported): a missing wait shows only when nothing synchronizes in between."""
-    from fcdp_deepspeed.tools.harness.launch import RankFailure
+    from fcdp_lab.harness.launch import RankFailure
     strict = {"FCDP_STRICT_DEVICE": "1"}
     for overlap in (TAU, 0):
         assert fragment_sync_problems(_train(env=strict, compression="int8", overlap_steps=overlap)) == [], overlap

@@ -20,7 +20,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def _run(env: dict | None = None) -> list:
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     return run_local(worker_target("diloco:warmup"), 4, dict(steps=STEPS, warmup_steps=WARMUP, sync_every=H),
                      timeout=240, env=env, pythonpath=[TESTS_DIR])
 
@@ -69,7 +69,7 @@ def test_the_broken_variant_without_the_average_fails():
 
 
 def test_checkpoint_inside_the_warmup_resumes_exactly(tmp_path):
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     res = run_local(worker_target("diloco:checkpoint"), 4, dict(ckpt_dir=str(tmp_path), save_at=1, steps=7,
                                                                  sync_every=H, warmup_steps=WARMUP),
                     timeout=240, pythonpath=[TESTS_DIR])
@@ -113,7 +113,7 @@ def test_committed_warmup_runs_and_the_docs_quote_each_other():
     engine's own W = 100 run (docs/converge_diloco_results.json) ends where the reference does."""
     import json
     from pathlib import Path
-    from fcdp_deepspeed.tools.converge import converge
+    from fcdp_lab.converge import converge
     root = Path(__file__).resolve().parent.parent
     data = json.loads((root / "docs" / "converge_diloco_warmup_reference.json").read_text())
     doc, readme = (root / "docs" / "DILOCO.md").read_text(), (root / "README.md").read_text()

@@ -1,6 +1,6 @@
 """The figures the README and docs/comparison.md quote are the committed runs' figures.
 
-README's first table is ``bash scripts/demo.sh`` (``fcdp demo --json docs/demo_results.json`` with the
+README's first table is ``bash scripts/demo.sh`` (``python -m fcdp_lab demo --json docs/demo_results.json`` with the
 demo's defaults); docs/comparison.md quotes the committed emulated-cluster runs. A rerun that changes a
 figure must change the committed JSON and the sentence together.
 """
@@ -23,7 +23,7 @@ def short(x: float) -> str:
 
 
 def demo_defaults() -> dict:
-    """``fcdp_deepspeed.tools.demo.DEFAULTS``, read from the source (importing the demo imports torch)."""
+    """``fcdp_lab.demo.DEFAULTS``, read from the source (importing the demo imports torch)."""
     tree = ast.parse((ROOT / "fcdp_deepspeed" / "tools" / "demo.py").read_text())
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "DEFAULTS")
     return ast.literal_eval(node.value)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster, namespaces_available
-from fcdp_deepspeed.tools.reliability import resize
-from fcdp_deepspeed.tools.reliability.elastic import run_elastic
-from fcdp_deepspeed.tools.reliability.killpoint import KillPoint
+from fcdp_lab.harness.cluster import EmulatedCluster, namespaces_available
+from fcdp_lab.reliability import resize
+from fcdp_lab.reliability.elastic import run_elastic
+from fcdp_lab.reliability.killpoint import KillPoint
 
 OK, WHY = namespaces_available()
 STEPS, INTERVAL = 4, 2  # checkpoints global_step2 and global_step4
@@ -93,8 +93,8 @@ def test_kill_points_and_the_checkpoint_each_resumes_from():
     """What the sweep predicts (scripts/reliability.sh: 6 steps, a checkpoint every 2): a kill while files are
     written, or on node 0 before rank 0 writes ``latest``, loses that checkpoint; one on another node after it
     does not; a whole node is ``:agent``."""
-    from fcdp_deepspeed.tools.reliability.killpoint import parse_points
-    from fcdp_deepspeed.tools.reliability.reliability import expected_resume
+    from fcdp_lab.reliability.killpoint import parse_points
+    from fcdp_lab.reliability.reliability import expected_resume
     points = parse_points("1:3:forward; 0:4:backward; 1:5:step; 0:4:save; 1:4:save; 0:4:latest; 1:4:latest:agent")
     assert [expected_resume(p) for p in points] == [2, 4, 4, 2, 2, 2, 4]
     assert points[-1].agent and str(points[-1]) == "1:4:latest:agent"

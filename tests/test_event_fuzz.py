@@ -1,5 +1,5 @@
 """Random event sequences against ZeRO-3 (issue 25 item 3): a hypothesis state machine drives one set of
-2 x 2 ranks (``fcdp_deepspeed/tools/fuzz``) through training with random accumulation lengths, eval,
+2 x 2 ranks (``fcdp_lab/fuzz``) through training with random accumulation lengths, eval,
 activation checkpointing, ``GatheredParameters`` writes, HF-style state-dict loads and embedding resizes,
 requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines (and saves, 16-bit
 consolidations and loads inside an accumulation window) and placement switches. After every event FCDP
@@ -18,9 +18,9 @@ from conftest import TESTS_DIR
 hypothesis = pytest.importorskip("hypothesis")
 
 from fcdp_deepspeed import faults  # noqa: E402
-from fcdp_deepspeed.tools.fuzz.driver import RankServer  # noqa: E402
-from fcdp_deepspeed.tools.fuzz.events import EVENTS  # noqa: E402
-from fcdp_deepspeed.tools.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402
+from fcdp_lab.fuzz.driver import RankServer  # noqa: E402
+from fcdp_lab.fuzz.events import EVENTS  # noqa: E402
+from fcdp_lab.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402
 
 #: The CI budget (docs/testing.md has the measured times): seeded, so every run tries the same sequences. The seeds
 #: were chosen once for what the searches must cover: CI_SEED's sequences try every event and find each broken
@@ -109,7 +109,7 @@ def test_break_switch_names_are_checked(monkeypatch):
 def test_soak_rewrites_only_the_table_block(tmp_path):
     import json
 
-    from fcdp_deepspeed.tools.fuzz.soak import BEGIN, END, rerun_command, rewrite_table
+    from fcdp_lab.fuzz.soak import BEGIN, END, rerun_command, rewrite_table
     results, doc = tmp_path / "results.jsonl", tmp_path / "doc.md"
     records = [
         {"run": "r1", "kind": "clean", "faults": "", "seed": 1, "sequences": 20, "events": 200, "failed": False,
@@ -126,4 +126,4 @@ def test_soak_rewrites_only_the_table_block(tmp_path):
     assert text.startswith("before\n") and text.endswith(f"{END}\nafter\n") and "old table" not in text
     assert "| 1 | `none` | 20 | 200 | 0 of 1 |" in text and "| 1 | `refresh` | 30 | 90 | 1 of 1 | 4 | 9.5 | 3 |" in text
     assert "cache_hits 7" in text and "train 50" in text
-    assert rerun_command(7, 20, 10, "") == "fcdp soak --seeds 7 --chunk 20 --steps 10 --faults none --no-table"
+    assert rerun_command(7, 20, 10, "") == "python -m fcdp_lab soak --seeds 7 --chunk 20 --steps 10 --faults none --no-table"

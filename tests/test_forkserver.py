@@ -1,4 +1,4 @@
-"""The fork server behind ``run_local`` (``fcdp_deepspeed/tools/harness/forkserver.py``): forked ranks see
+"""The fork server behind ``run_local`` (``fcdp_lab/harness/forkserver.py``): forked ranks see
 their own environment, modules imported by the server saw that environment too (one server per
 environment), failures and exit codes reach the launcher as from spawned ranks."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 
 from conftest import TESTS_DIR, worker_target
-from fcdp_deepspeed.tools.harness import forkserver
-from fcdp_deepspeed.tools.harness.launch import RankFailure, run_local
+from fcdp_lab.harness import forkserver
+from fcdp_lab.harness.launch import RankFailure, run_local
 
 MODES = {"forked": "1", "spawned": "0"}
 

@@ -14,7 +14,7 @@ import pytest
 from torch.autograd import DeviceType
 
 from conftest import run_ranks
-from fcdp_deepspeed.tools.gpu import trace as gpu_trace
+from fcdp_lab.gpu import trace as gpu_trace
 
 SCRIPT = str(Path(__file__).parent.parent / "scripts" / "gpu_check.py")
 
@@ -91,7 +91,7 @@ def test_case_a_fails_a_broken_flush(kind, failing):
     assert checks[failing][0] is False
     if kind == "refused":  # reported with the call site, the JSON still written
         assert "No backend type" in checks[failing][1] and "workers/gpu_check.py" not in checks[failing][1]
-        assert "at fcdp_deepspeed/tools/gpu/cases.py" in checks[failing][1]
+        assert "at fcdp_lab/gpu/cases.py" in checks[failing][1]
     else:
         assert checks["param 0: equals the reference sum"][0] is True
 
@@ -130,9 +130,9 @@ def test_gather_timeline_from_ranges_and_kernels():
 
 
 def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
-    from fcdp_deepspeed.tools.gpu.sanitizer import _fcdp_frames
+    from fcdp_lab.gpu.sanitizer import _fcdp_frames
     report = ('CUDASanitizerErrors: Detected 1 error\n  File "/x/deepspeed/runtime/zero/stage3.py", line 1, in step\n'
-              '  File "/x/fcdp_deepspeed/tools/gpu/fake_pg.py", line 2, in train_step\n')
+              '  File "/x/fcdp_lab/gpu/fake_pg.py", line 2, in train_step\n')
     assert _fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
     assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged\n') == [
         'File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged']
@@ -141,7 +141,7 @@ def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
 def test_sanitizer_report_keeps_the_other_access():
     """[Note: both accesses]: the H200's first run kept only "detected 1 errors" and the raising (DeepSpeed's) stack;
     the other stream's access, FCDP's or not, is in each error's own text, and an FCDP frame there fails the check."""
-    from fcdp_deepspeed.tools.gpu.sanitizer import _fcdp_frames, error_text
+    from fcdp_lab.gpu.sanitizer import _fcdp_frames, error_text
 
     class Errors(Exception):
         def __init__(self, errors):
@@ -162,7 +162,7 @@ def test_sanitizer_report_keeps_the_other_access():
 def test_steady_state_of_skipped_steps_fails_case_b():
     """Case (b) must not pass on a steady state that is all hits because its steps were skipped (no weights
     written, nothing invalidated, nothing refilled)."""
-    from fcdp_deepspeed.tools.gpu.fake_pg import steady_state_problem
+    from fcdp_lab.gpu.fake_pg import steady_state_problem
     applied = {"skipped": [0, 0, 0], "fills": [12, 8, 8], "hits": [4, 16, 16]}
     assert steady_state_problem(applied) == ""
     assert "skipped" in steady_state_problem({**applied, "skipped": [0, 1, 0]})
@@ -173,7 +173,7 @@ def test_steady_state_of_skipped_steps_fails_case_b():
 def test_sanitizer_case_runs_the_fcdp_variants_with_the_flat_gather():
     """[Note: the sanitizer and the two-stage gather]: the known false race is not run; every FCDP variant is."""
     import inspect
-    from fcdp_deepspeed.tools.gpu import sanitizer as gpu_sanitizer
+    from fcdp_lab.gpu import sanitizer as gpu_sanitizer
     source = inspect.getsource(gpu_sanitizer.sanitizer_case)
     assert 'flat = {"param_gather": "flat"}' in source and source.count("**flat}") == 2
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_ranks
 from workers.common import ZERO3_GRADS
-from fcdp_deepspeed.tools.harness.launch import free_port
+from fcdp_lab.harness.launch import free_port
 
 
 ROOT = Path(__file__).resolve().parent.parent

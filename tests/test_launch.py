@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import TESTS_DIR, worker_target
-from fcdp_deepspeed.tools.harness.cluster import PREFIX, namespaces_available
+from fcdp_lab.harness.cluster import PREFIX, namespaces_available
 
 SLEEPER = worker_target("launch:sleeper")
 
@@ -34,7 +34,7 @@ def test_sigterm_during_a_run_leaves_nothing_behind(tmp_path, forkserver):
     pids.mkdir()
     script.write_text(f"""
 import sys; sys.path.insert(0, {TESTS_DIR!r})
-from fcdp_deepspeed.tools.harness.launch import run_local
+from fcdp_lab.harness.launch import run_local
 run_local({SLEEPER!r}, 2, {{"pid_dir": {str(pids)!r}}}, timeout=120, pythonpath=[{TESTS_DIR!r}])
 """)
     tmp = tmp_path / "tmp"  # its own temp dir: other test runs on the machine come and go in /tmp
@@ -65,7 +65,7 @@ def test_sigterm_removes_emulated_cluster(tmp_path):
     script = tmp_path / "cluster.py"
     script.write_text("""
 import time
-from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster
+from fcdp_lab.harness.cluster import EmulatedCluster
 with EmulatedCluster(2, rate_mbit=100, tag="s"):
     print("up", flush=True)
     time.sleep(120)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from fcdp_deepspeed.tools.bench.bench import BenchSpec, links_markdown
-from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster, namespaces_available
-from fcdp_deepspeed.tools.harness.links import LinkSampler, idle_spans, link_use, parse_net_dev, step_window
+from fcdp_lab.bench.bench import BenchSpec, links_markdown
+from fcdp_lab.harness.cluster import EmulatedCluster, namespaces_available
+from fcdp_lab.harness.links import LinkSampler, idle_spans, link_use, parse_net_dev, step_window
 
 OK, WHY = namespaces_available()
 RATE = 10.0  # Mbit/s: 1.25 MB/s, so 0.3 s of sending is ~375 kB

@@ -1,4 +1,4 @@
-"""The Megatron-DeepSpeed check's comparison (fcdp_deepspeed.tools.megatron_compare) on small synthetic
+"""The Megatron-DeepSpeed check's comparison (fcdp_lab.megatron_compare) on small synthetic
 records: what it must pass, and the differences (one bit, one rank, one tensor) it must catch."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fcdp_deepspeed.tools import megatron_compare as mc
+from fcdp_lab import megatron_compare as mc
 
 
 def _rank(losses, enabled: bool, allgather, grads=(0, 0, 0), sha: str = "w") -> dict:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.harness.cluster import EmulatedCluster, namespaces_available
+from fcdp_lab.harness.cluster import EmulatedCluster, namespaces_available
 from workers.common import ZERO3_GRADS
-from fcdp_deepspeed.tools.harness.launch import free_port
+from fcdp_lab.harness.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OK, WHY = namespaces_available()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fcdp_deepspeed.tools.harness.cluster import namespaces_available
+from fcdp_lab.harness.cluster import namespaces_available
 from fcdp_deepspeed.tools.plan.planner import ClusterSpec, inter_node_bytes_per_step, main, parse_count, plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +145,7 @@ def test_committed_benchmark_run_matches_planner(name):
 
 def test_committed_gradient_run_covers_every_engine_and_job():
     """The full emulated-cluster sweep (every engine, both jobs, planner within 10%) lives in the committed
-    run (``docs/bench_grad_results.json``, made by ``python -m fcdp_deepspeed.tools.bench``); the live
+    run (``docs/bench_grad_results.json``, made by ``python -m fcdp_lab.bench``); the live
     test below repeats a small slice of it."""
     rows = json.loads((ROOT / "docs" / "bench_grad_results.json").read_text())["rows"]
     assert {(r["job"], r["engine"]) for r in rows} == {(j, e) for j in ("full", "lora") for e in ENGINES}
@@ -157,7 +157,7 @@ def test_committed_gradient_run_covers_every_engine_and_job():
 def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     """A live slice of the committed sweep: the LoRA job on ZeRO-3, FCDP and node accumulation (3 launches
     instead of 8; the full job and hpZ are checked on the committed run above)."""
-    from fcdp_deepspeed.tools.bench.bench import BenchSpec, run_bench
+    from fcdp_lab.bench.bench import BenchSpec, run_bench
     # adapters large enough that payload, not gloo's per-message protocol bytes, dominates (as in real LoRA)
     spec = BenchSpec(rates_mbit=[0], jobs=["lora"], engines=["zero3", "fcdp", "fcdp_node"], hidden=512, layers=4,
                      lora_rank=8, warmup=2, steps=2, repeats=1, timeout_s=400)

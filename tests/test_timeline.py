@@ -8,7 +8,7 @@ import time
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import format_stats_line
 from fcdp_deepspeed.reporting.timeline import Phase, PhaseClock
-from fcdp_deepspeed.tools.bench import timeline_plot
+from fcdp_lab.bench import timeline_plot
 
 
 def test_nested_phases_are_exclusive_and_untimed_without_a_clock():

@@ -15,7 +15,7 @@ import torch
 
 from conftest import TESTS_DIR, run_ranks, worker_target
 from fcdp_deepspeed.machine.topology import TopologyError, derive_node_groups, node_identity_from_env
-from fcdp_deepspeed.tools.harness.launch import free_port
+from fcdp_lab.harness.launch import free_port
 
 
 # -- pure layout logic -----------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def test_two_torchrun_agents_give_the_node_layout():
     agents = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
                           "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
-                          "-m", "fcdp_deepspeed.tools.harness._worker", worker_target("topology:launcher_parity"), str(workdir)],
+                          "-m", "fcdp_lab.harness._worker", worker_target("topology:launcher_parity"), str(workdir)],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         for n in (0, 1)
     ]
@@ -99,7 +99,7 @@ def test_ranks_per_node_not_dividing_the_world():
 
 
 def test_non_uniform_nodes(monkeypatch):
-    from fcdp_deepspeed.tools.harness.launch import run_local
+    from fcdp_lab.harness.launch import run_local
     from conftest import TESTS_DIR as tests_dir
     rank_env = {r: {"FCDP_NODE_ID": "a" if r < 3 else "b"} for r in range(4)}
     res = run_local(worker_target("topology:topology_error"), 4, {}, timeout=240, pythonpath=[tests_dir], rank_env=rank_env)

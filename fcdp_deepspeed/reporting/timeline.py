@@ -10,7 +10,7 @@ would add, and nothing here pretends to be it.
 Phases nest (a codec call inside a gradient's inter-node stage): each records its *exclusive* time, so the
 phases of a step add up to at most its wall time.
 
-[Note: the trace] While ``PhaseClock.events`` is a list (``fcdp bench`` turns it on for its timed steps), every
+[Note: the trace] While ``PhaseClock.events`` is a list (``python -m fcdp_lab bench`` turns it on for its timed steps), every
 timed block is also recorded as ``(phase, start, end)`` in ``time.time()`` seconds, and so is every asynchronous
 inter-node transfer registered with :func:`in_flight`, from its issue to its completion (a ``Work`` future's
 callback, gloo's worker thread): the wall clock is one clock for every process of a machine, so the ranks of an

@@ -1,4 +1,7 @@
-"""The ``fcdp`` command: ``fcdp doctor``, ``fcdp plan``, ``fcdp demo``, ``fcdp bench``, ``fcdp converge``, ``fcdp soak``, ``fcdp configs``, ``fcdp --version``."""
+"""The ``fcdp`` command: ``fcdp doctor``, ``fcdp plan``, ``fcdp configs``, ``fcdp --version``.
+
+The demo, the bench, the convergence runs and the event sequences belong to the repository's lab
+(``python -m fcdp_lab COMMAND`` from a checkout), not to the installed package."""
 from __future__ import annotations
 
 import difflib
@@ -8,16 +11,14 @@ from typing import Optional
 COMMANDS = {
     "doctor": ("fcdp_deepspeed.tools.doctor", "is FCDP installed and on here, and what would this config do"),
     "plan": ("fcdp_deepspeed.tools.plan.planner", "predict inter-node bytes, memory and step-time bounds for a cluster"),
-    "demo": ("fcdp_deepspeed.tools.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
-    "bench": ("fcdp_deepspeed.tools.bench.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
-    "converge": ("fcdp_deepspeed.tools.converge.converge", "exact vs int8/int4 inter-node compression: a tiny LM on real text"),
-    "soak": ("fcdp_deepspeed.tools.fuzz.soak", "random event sequences against ZeRO-3 (docs/reliability.md)"),
     "configs": ("fcdp_deepspeed.tools.configs", "the shipped configs and examples: their paths, or a copy of one"),
 }
+#: The repository's lab commands (``python -m fcdp_lab``): named here only to point a user to them.
+LAB_COMMANDS = ("demo", "bench", "converge", "soak")
 
 
 def usage() -> str:
-    lines = ["usage: fcdp {doctor,plan,demo,bench,converge,soak,configs} [options]   (fcdp COMMAND --help for its options)",
+    lines = ["usage: fcdp {doctor,plan,configs} [options]   (fcdp COMMAND --help for its options)",
              "       fcdp --version", ""]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
@@ -32,6 +33,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] in LAB_COMMANDS:
+        print(f"fcdp: '{argv[0]}' is a lab command of the repository, not of the installed package: from a "
+              f"checkout, run `python -m fcdp_lab {argv[0]}` (after `source scripts/setup_env.sh test,hf,bench`)",
+              file=sys.stderr)
+        return 2
     if argv[0] not in COMMANDS:
         close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""

@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.partition_parameters import get_allgather_dtype
 from deepspeed.utils import groups
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import GroupMPU, fcdp_block, setup
 
 #: Expert-parallel size of the MoE-like parameters: experts {0,1} | {2,3}, expert-DP groups {0,2} | {1,3}.

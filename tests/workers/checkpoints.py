@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, forward, setup
 
 

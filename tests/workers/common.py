@@ -11,7 +11,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -22,7 +22,7 @@ import fcdp_deepspeed
 from fcdp_deepspeed import faults
 from fcdp_deepspeed.compress import params as cparams, quant
 from fcdp_deepspeed.runtime import compression as rcompression
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import LogCapture, fcdp_block, setup
 from workers.replicas import ReplicaHashes
 

@@ -20,7 +20,7 @@ from fcdp_deepspeed.compress import IdentityCodec, grads as compress_grads, quan
 from fcdp_deepspeed.compress.residual import ResidualStore
 from fcdp_deepspeed.grads import own_chunk_numel
 from fcdp_deepspeed.grads.inflight import Inflight
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
 from workers.replicas import ReplicaHashes
@@ -303,7 +303,7 @@ def reloads(ckpt_dir: str, sc: dict) -> dict:
     universal checkpoint (converted with DeepSpeed's tool) into an engine trained since; each load's state after
     it, and ``param_exact_gathers`` after one more step."""
     from pathlib import Path
-    from fcdp_deepspeed.tools.reliability import resize
+    from fcdp_lab.reliability import resize
     both = {**sc, "fcdp": {**sc["fcdp"], "param_compression": "int8", "param_refresh_interval": 7}}
     engine = grad_workers.build(both, config(both))
     train(engine, both, steps=2)

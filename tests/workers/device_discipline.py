@@ -21,7 +21,7 @@ from fcdp_deepspeed.grads import inflight
 from fcdp_deepspeed.machine import device, strict_device, strict_streams
 from fcdp_deepspeed.runtime import gather as gather_module
 from fcdp_deepspeed.storage.cache import NodeCache
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers import grads as grad_workers
 from workers.common import setup
 

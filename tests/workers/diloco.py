@@ -8,7 +8,7 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed.reporting.engine_stats import stats_of
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import DTYPES, LogCapture, fcdp_block, setup
 
 HIDDEN = 32

@@ -14,7 +14,7 @@ import deepspeed
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, forward, setup
 
 HIDDEN = 32

@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime import gather, refill
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import setup
 from workers.grads import _config, build, train
 

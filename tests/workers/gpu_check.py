@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fcdp_deepspeed import grads
-from fcdp_deepspeed.tools.gpu import cases as gpu_cases
+from fcdp_lab.gpu import cases as gpu_cases
 
 
 def broken_flush(kind: str) -> dict:

@@ -17,7 +17,7 @@ from deepspeed.utils import safe_get_local_grad
 import fcdp_deepspeed
 from fcdp_deepspeed import grads
 from fcdp_deepspeed.grads import own_chunk_numel
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import DTYPES, LogCapture, setup
 
 

@@ -6,7 +6,7 @@ import torch
 import deepspeed
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, setup
 
 

@@ -5,7 +5,7 @@ import torch
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, setup
 
 

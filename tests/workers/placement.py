@@ -51,7 +51,7 @@ def one_node(steps: int = 3) -> dict:
     layout) and with ranks_per_node = 4, node accumulation on, vs plain ZeRO-3."""
     import copy
 
-    from fcdp_deepspeed.tools.harness import toy
+    from fcdp_lab.harness import toy
     setup(4)
     capture = LogCapture()
     out = {}

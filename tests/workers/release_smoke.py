@@ -5,7 +5,7 @@ from __future__ import annotations
 import deepspeed
 
 import fcdp_deepspeed
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers import grads as grads_worker
 from workers import parity as parity_worker
 from workers.common import fcdp_block, setup

@@ -10,7 +10,7 @@ from deepspeed import comm as dist
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime import runahead
 from fcdp_deepspeed.storage import freshness
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, forward, setup
 
 HIDDEN = 32

@@ -12,7 +12,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime import sequencer
 from fcdp_deepspeed.runtime.fetch import flat_reference
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import fcdp_block, setup
 
 HIDDEN = 32

@@ -6,7 +6,7 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.tools.harness import toy
+from fcdp_lab.harness import toy
 from workers.common import GroupMPU, fcdp_block, run_scenario, setup
 
 

@@ -1,0 +1,38 @@
+"""``python -m fcdp_lab COMMAND``: the lab's commands, from a checkout (``scripts/setup_env.sh`` puts it on the path)."""
+from __future__ import annotations
+
+import difflib
+import importlib
+import sys
+from typing import Optional
+
+PROG = "python -m fcdp_lab"
+COMMANDS = {
+    "demo": ("fcdp_lab.demo", "toy model with ZeRO-3 and FCDP on 4 CPU ranks"),
+    "bench": ("fcdp_lab.bench.bench", "ZeRO-3 vs hpZ vs FCDP on an emulated bandwidth-limited cluster"),
+    "converge": ("fcdp_lab.converge.converge", "exact vs lossy settings: a tiny LM on real text"),
+    "soak": ("fcdp_lab.fuzz.soak", "random event sequences against ZeRO-3 (docs/testing.md)"),
+}
+
+
+def usage() -> str:
+    lines = [f"usage: {PROG} {{{','.join(COMMANDS)}}} [options]   ({PROG} COMMAND --help for its options)", ""]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"{PROG}: unknown command '{argv[0]}'{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
