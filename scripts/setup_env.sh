@@ -18,6 +18,6 @@ python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}" 2>&1 | gr
 python - <<'PY'
 import os, site, sysconfig
 with open(os.path.join(sysconfig.get_paths()["purelib"], "fcdp_lab.pth"), "w") as f:
-    f.write(os.getcwd() + "\n")
+    f.write(os.getcwd() + "\nimport fcdp_lab.startup\n")
 PY
 python -c "import fcdp_deepspeed, deepspeed, torch; print('fcdp-deepspeed', fcdp_deepspeed.__version__, '| deepspeed', deepspeed.__version__, '| torch', torch.__version__)"
