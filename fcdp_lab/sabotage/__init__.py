@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 ENV = "FCDP_LAB_BREAK"
 #: The modules that register variants (imported by :func:`install` only when a variant is named).
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("fcdp_lab.sabotage.params", "fcdp_lab.sabotage.grads", "fcdp_lab.sabotage.compression",
+                            "fcdp_lab.sabotage.diloco")
 
 Patch = Callable[[Optional[str]], None]
 _VARIANTS: dict[str, Patch] = {}
