@@ -13,6 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.whl
 py="${FCDP_BUNDLE_PYTHON:-.venv/bin/python}"
+if [[ ! -x "$py" ]]; then
+    echo "gpu_bundle: no $py: run 'source scripts/setup_env.sh test,hf,bench' first (it creates .venv), or set FCDP_BUNDLE_PYTHON" >&2
+    exit 2
+fi
 rm -rf "$out"
 mkdir -p "$out/optional"
 dl() {

@@ -24,7 +24,7 @@ def short(x: float) -> str:
 
 def demo_defaults() -> dict:
     """``fcdp_lab.demo.DEFAULTS``, read from the source (importing the demo imports torch)."""
-    tree = ast.parse((ROOT / "fcdp_deepspeed" / "tools" / "demo.py").read_text())
+    tree = ast.parse((ROOT / "fcdp_lab" / "demo.py").read_text())
     node = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "DEFAULTS")
     return ast.literal_eval(node.value)
 
