@@ -9,7 +9,7 @@ gradient reduction and node accumulation), so gradients cross nodes once per opt
 summation order differs from ZeRO-3 (the demo prints the largest relative difference of the losses and
 of the final weights); "FCDP exact" keeps DeepSpeed's gradient path (``grad_reduce: flat``,
 ``grad_accumulation: rank``) and is bit-identical to ZeRO-3. ``--json`` writes the table as JSON
-(``docs/demo_results.json`` is the committed run the README's table is checked against).
+(``docs/results/demo/demo.json`` is the committed run the README's table is checked against).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ JOBS = (
     ("full, GA 4", 0, 4, {"ZeRO-3": None, "FCDP exact": ZERO3_GRADS, "FCDP": {}}),
 )
 KEYS = ("inter_node_allgather_bytes", "inter_node_grad_reduce_bytes")
-#: ``python -m fcdp_lab demo``'s defaults: what ``bash scripts/demo.sh`` runs and ``docs/demo_results.json`` recorded.
+#: ``python -m fcdp_lab demo``'s defaults: what ``bash scripts/demo.sh`` runs and ``docs/results/demo/demo.json`` recorded.
 DEFAULTS = {"steps": 5, "hidden": 256, "layers": 4}
 #: Also averaged per step (not part of the byte totals): the cache's lookups.
 CACHE_KEYS = ("cache_hits", "cache_misses")

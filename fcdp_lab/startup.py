@@ -1,14 +1,51 @@
 """Run by ``fcdp_lab.pth`` at every interpreter start of the venv: nothing, unless a test named broken variants
-(``FCDP_LAB_BREAK``) or strict device mode for the processes it starts. Standard library only until then."""
+(``FCDP_LAB_BREAK``) or strict device mode (``FCDP_STRICT_DEVICE=1``) for the processes it starts. Standard library
+only until then: every interpreter of the venv pays for this file."""
 from __future__ import annotations
 
 import os
+import sys
+
+
+def after_import(module: str, then) -> None:
+    """Call ``then()`` right after ``module`` (a submodule, found on its package's path) is first executed."""
+    import importlib.abc
+    import importlib.machinery
+
+    class _Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != module:
+                return None
+            sys.meta_path.remove(self)  # once
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(mod):
+                execute(mod)
+                then()
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _Hook())
+
+
+def _strict() -> None:
+    from fcdp_lab import strict
+    strict.install()
 
 
 def run() -> None:
     if os.environ.get("FCDP_LAB_BREAK"):
         from fcdp_lab import sabotage
         sabotage.install()
+    if os.environ.get("FCDP_STRICT_DEVICE", "").strip().lower() in ("1", "true"):
+        # the engines' module imports DeepSpeed: wrapped when the process imports it, not at every start
+        if "fcdp_deepspeed.engine.stage3" in sys.modules:
+            _strict()
+        else:
+            after_import("fcdp_deepspeed.engine.stage3", _strict)
 
 
 run()

@@ -1,4 +1,4 @@
-"""Checkpoint bytes of plain ZeRO-3 and of FCDP's lossy settings (issue 33, docs/COMPRESSION.md).
+"""Checkpoint bytes of plain ZeRO-3 and of FCDP's lossy settings (issue 33, docs/compression.md).
 
     python scripts/checkpoint_bytes.py [--hidden 256] [--layers 4]
 

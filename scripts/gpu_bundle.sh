@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .whl/ (git-ignored): the offline wheelhouse the GPU device command installs (scripts/gpu_run.sh) into a bare
-# image that has Python 3.12 and torch (CUDA) but no deepspeed, hjson or pydantic, and no network. See docs/GPU-check.md.
+# image that has Python 3.12 and torch (CUDA) but no deepspeed, hjson or pydantic, and no network. See docs/gpu.md.
 #   bash scripts/gpu_bundle.sh            # FCDP_BUNDLE_PYTHON: a Python with torch and setuptools (default .venv's)
 # - DeepSpeed 0.19.8 has only an sdist on PyPI: built here into a pure-Python wheel with DS_BUILD_OPS=0 (every op
 #   JIT-compiled on first use; the check uses torch's Adam, so none is built there).

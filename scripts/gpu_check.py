@@ -10,7 +10,7 @@ overlap; (d) the same under TORCH_CUDA_SANITIZER=1 (stream races); (e) pinning t
 cgroup, H2D GB/s with every local GPU copying at once; (f) the inter-node codec on the device (deterministic,
 within its error, time per call). 4 or more GPUs also: (c) real NCCL, 2 emulated nodes:
 losses vs ZeRO-3, step times vs ZeRO-3 and ZeRO++ hpZ, the two-stage gather's stage timeline.
-Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU. See docs/GPU-check.md.
+Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU. See docs/gpu.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of the GPU check on the device machine (docs/GPU-check.md):
+# The one command of the GPU check on the device machine (docs/gpu.md):
 #   bash scripts/gpu_run.sh OUTDIR [gpu_check.py options]   # run tool: carry [".whl"], command "bash scripts/gpu_run.sh $OUT/gpu"
 #   (a rerun of some cases: bash scripts/gpu_run.sh $OUT/gpu --cases bd)
 # Installs the offline wheelhouse built by scripts/gpu_bundle.sh into /tmp/site (no network, no index), puts it

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Restarts and resizes (docs/reliability.md): random SIGKILLs of a node's ranks under torchrun's elastic agent
 # on the emulated cluster (needs root: network namespaces), then universal-checkpoint resumes at 1x2, 2x1 and
-# 4x2. Updates docs/reliability_results.json and the figures table of docs/reliability.md.
+# 4x2. Updates docs/results/reliability/restarts.json and the figures table of docs/reliability.md.
 # Usage: bash scripts/reliability.sh [--kills N] [--seed S] [--failure-modes] [--no-resizes]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite (what CI runs). `--fast` first: the fast tier for local iteration
-# (FCDP_TESTS=fast: skips the repeats listed in tests/conftest.py, [Note: the fast tier]); other arguments go to pytest.
+# (FCDP_TESTS=fast: only the allow-list in tests/conftest.py, [Note: the fast tier]); other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fast" ]]; then

@@ -22,50 +22,44 @@ TESTS_DIR = str(Path(__file__).parent)
 
 # [Note: the fast tier] CI (``bash scripts/test.sh``) runs every test: its hard limit is 90 minutes and the whole
 # suite stays within 50 minutes on 2 cores. For local iteration, ``bash scripts/test.sh --fast`` (or
-# ``FCDP_TESTS=fast``) skips the tests below: each repeats at a larger layout, under a second launcher or through a
-# second front end what a fast-tier test already checks on 2 nodes x 2 (docs/testing.md, "Tiers"); each is reported
-# as skipped with the fast-tier test that covers it. Node-id prefixes -> what the fast tier runs instead.
-FAST_TIER_SKIPS = {
-    "tests/test_grads.py::test_partitions_within_zero3_error_2x4": "the 2x2 float64-reference bound",
-    "tests/test_gather.py::test_four_nodes_x_two_and_megatron_tp2": "the 2x2 two-stage gather and test_topology",
-    "tests/test_gather.py::test_bit_identical_to_flat_2x4": "test_bit_identical_to_flat_2x2",
-    "tests/test_gather.py::test_inter_node_bytes_per_miss_are_the_bound[8-4]": "the [4-2] case",
-    "tests/test_planner.py::test_planner_within_10_percent_of_emulated_cluster": "the committed emulator runs",
-    "tests/test_integrations.py::test_grad_modes_under_deepspeed_launcher":
-        "test_grads' gradient modes and test_autoload_install's deepspeed launcher",
-    "tests/test_integrations.py::test_run_module_without_block_is_plain_zero3": "test_autoload_install (block off)",
-    "tests/test_integrations.py::test_run_module_under_deepspeed_launcher": "test_autoload_install (deepspeed launcher)",
-    "tests/test_integrations.py::test_plain_hf_script_logs_fcdp_counters_under_both_launchers":
-        "test_hf's Trainer counters and the startup-hook tests",
-    "tests/test_hf.py::test_full_finetune_matches_zero3_with_half_the_inter_node_traffic[accelerate]": "[trainer]",
-    "tests/test_hf.py::test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic[accelerate]": "[trainer]",
-    "tests/test_hf.py::test_trainer_with_node_gradient_accumulation_matches_zero3": "test_grads' node accumulation",
-    "tests/test_hf.py::test_full_finetune_matches_zero3_with_half_the_inter_node_traffic[trainer]":
-        "test_peft_lora_matches_zero3_with_99pct_less_inter_node_traffic[trainer] and test_grads' full fine-tuning",
-    "tests/test_integrations.py::test_run_module_under_torchrun_matches_plain":
-        "test_autoload_install's unmodified script under torchrun (wheel and editable)",
-    "tests/test_topology.py::test_megatron_layout_tp2_on_2_nodes_x_4": "the Megatron TP layout on 2x2",
-    "tests/test_checkpoints.py::test_rank_killed_mid_step_leaves_a_loadable_checkpoint": "test_elastic's node kill",
-    "tests/test_parity.py::test_edge_parameters[100-fp32]": "the [0-fp32] and [0-bf16] cases",
-    "tests/test_netns.py::test_deepspeed_launcher_on_two_namespace_nodes":
-        "test_elastic's torchrun agents on the namespace nodes and test_autoload_install's deepspeed launcher",
-    "tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5[node_ga8]": "[node_ga4]",
-    "tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5[lora_ckpt_node_ga4]":
-        "[lora_node_ga4] and [ckpt_node_ga4]",
-    "tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5[reentrant_node_ga4]": "[ckpt_node_ga4]",
-    "tests/test_grads.py::test_losses_and_weights_match_zero3_within_1e5[offload_both_node_ga2]":
-        "[offload_node_ga2] and test_offload",
-    "tests/test_forkserver.py::test_ranks_see_their_environment_at_import_and_at_run[spawned]": "[forked]",
-    "tests/test_autoload_install.py::test_unmodified_script_under_launcher[editable-":
-        "[wheel-torchrun] and [wheel-deepspeed] (the same script and launchers) and "
-        "test_startup_hook_is_installed_and_cheap[editable] (the editable install's startup hook)",
-    "tests/test_grads.py::test_bf16_bound_fails_for_a_broken_plan":
-        "test_broken_plans_fail_the_bound[wrong_peers-hier] (the same broken plan against the fp32 bound)",
-    "tests/test_placement.py::test_allocation_failure_everywhere_runs_plain_zero3":
-        "test_allocation_failure_on_one_rank_degrades_those_parameters_everywhere",
-    "tests/test_parity.py::test_plain_zero3_crashes_on_a_zero_size_parameter":
-        "test_zero_size_parameters_work_with_fcdp (what FCDP does with them; this one only documents DeepSpeed)",
-    "tests/test_release_smoke.py": "the whole suite on 0.19.8",
+# ``FCDP_TESTS=fast``) runs only the allow-list below, a few minutes on 2 cores, crossing every layer once: the
+# config and the commands (pure), one 2 nodes x 2 parity run of each path (the parameter cache, the gradient path,
+# gradient compression, DiLoCo) and the refusals through ``deepspeed.initialize``. Every other test is deselected
+# (``-ra`` shows the count). Node-id prefixes -> the layer each crosses. A module fixture that runs several
+# scenarios still runs all of them (one launch): pick tests whose fixtures are one cheap launch.
+FAST_TIER = {
+    # config, the fcdp command, the planner and the lines FCDP prints (pure, seconds)
+    "tests/test_config.py": "config",
+    "tests/test_cli.py": "the fcdp command",
+    "tests/test_reporting.py": "the on line and the [fcdp] line",
+    "tests/test_planner.py::test_ring_arithmetic": "planner",
+    "tests/test_planner.py::test_gradient_modes_and_the_bound": "planner",
+    "tests/test_planner.py::test_plan_": "planner",
+    "tests/test_planner.py::test_planner_reads_config": "planner",
+    "tests/test_planner.py::test_the_planners_wire_bytes_are_the_codecs": "planner",
+    "tests/test_planner.py::test_residual_bytes_are_two_fp32_slots_of_the_sent_rows": "planner",
+    "tests/test_grad_plan.py::test_defaults_are_auto": "gradient plan",
+    "tests/test_grad_plan.py::test_auto_": "gradient plan",
+    "tests/test_grad_plan.py::test_explicit_": "gradient plan",
+    "tests/test_compress_codec.py::test_roundtrip_error_is_half_a_step_per_block": "codec",
+    "tests/test_compress_codec.py::test_identity_codec_is_exact_and_wire_bytes_model": "codec",
+    "tests/test_architecture.py::test_no_import_runs_up_or_across_a_floor": "architecture",
+    "tests/test_architecture.py::test_the_core_never_imports_tooling": "architecture",
+    # one 2 x 2 parity run per path
+    "tests/test_parity.py::test_edge_parameters[0-fp32]": "the parameter cache, bit-identical to ZeRO-3",
+    "tests/test_grads.py::test_bf16_partitions_within_zero3_bf16_error_2x2": "the hierarchical gradient path",
+    "tests/test_compress_grads.py::test_identity_codec_is_bit_identical_to_the_exact_path": "gradient compression",
+    "tests/test_compress_grads.py::test_inter_node_gradient_bytes_drop_by_the_wire_ratio": "gradient compression",
+    "tests/test_compress_grads.py::test_error_feedback_tracks_the_exact_sum_over_steps": "gradient compression",
+    "tests/test_diloco.py::test_every_rank_holds_the_same_model_after_each_sync_and_only_then[fp32]": "DiLoCo",
+    "tests/test_diloco.py::test_outer_step_matches_a_float64_reference": "DiLoCo",
+    "tests/test_diloco.py::test_stats_and_the_on_line": "DiLoCo",
+    # the refusals, through deepspeed.initialize and the parsers
+    "tests/test_activation.py::test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize": "refusals",
+    "tests/test_grads.py::test_gradient_mode_refusals_through_deepspeed_initialize": "refusals",
+    "tests/test_diloco.py::test_bad_values_are_refused_by_key_with_the_fix": "refusals",
+    "tests/test_diloco.py::test_incompatible_settings_are_refused": "refusals",
+    "tests/test_diloco.py::test_one_node_is_refused_with_the_fix": "refusals",
 }
 
 
@@ -74,27 +68,28 @@ def fast_tier() -> bool:
     everything (``FCDP_TESTS=full`` too, as ``scripts/check_deepspeed_release.sh`` sets it)."""
     value = os.environ.get("FCDP_TESTS", "full").strip().lower()
     if value not in ("fast", "full", ""):
-        raise pytest.UsageError(f"FCDP_TESTS={value!r}: use 'fast' (skip the repeats) or 'full' (everything, the default)")
+        raise pytest.UsageError(f"FCDP_TESTS={value!r}: use 'fast' (the allow-list) or 'full' (everything, the default)")
     return value == "fast"
 
 
-def _fast_tier_cover(nodeid: str) -> str | None:
-    """What the fast tier runs instead of ``nodeid`` (``None``: a fast-tier test)."""
-    return next((why for prefix, why in FAST_TIER_SKIPS.items() if nodeid.startswith(prefix)), None)
+def in_fast_tier(nodeid: str) -> bool:
+    """Whether ``nodeid`` is on the fast tier's allow-list."""
+    return any(nodeid.startswith(prefix) for prefix in FAST_TIER)
 
 
 def runs_in_this_tier(nodeid: str) -> bool:
     """Whether ``nodeid`` runs in this run (a fixture builds only the scenarios its running tests read)."""
-    return not fast_tier() or _fast_tier_cover(nodeid) is None
+    return not fast_tier() or in_fast_tier(nodeid)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     if not fast_tier():
         return
-    for item in items:
-        reason = _fast_tier_cover(item.nodeid)
-        if reason is not None:
-            item.add_marker(pytest.mark.skip(reason=f"not in the fast tier (FCDP_TESTS=fast); it covers this by {reason}"))
+    kept = [item for item in items if in_fast_tier(item.nodeid)]
+    dropped = [item for item in items if not in_fast_tier(item.nodeid)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def worker_target(worker: str) -> str:
@@ -102,11 +97,12 @@ def worker_target(worker: str) -> str:
     return f"workers.{worker}"
 
 
-def run_ranks(worker: str, world_size: int = 4, timeout: float = 240, **kwargs):
+def run_ranks(worker: str, world_size: int = 4, timeout: float = 240, env=None, **kwargs):
     """Run ``tests/workers/<concern>.py:<function>(**kwargs)`` on ``world_size`` ranks, given as
-    ``"<concern>:<function>"``; return per-rank results."""
+    ``"<concern>:<function>"``, with ``env`` added to their environment (e.g. ``FCDP_LAB_BREAK``, the broken variants
+    of ``fcdp_lab/sabotage``); return per-rank results."""
     from fcdp_lab.harness.launch import run_local
-    return run_local(worker_target(worker), world_size, kwargs, timeout=timeout, pythonpath=[TESTS_DIR])
+    return run_local(worker_target(worker), world_size, kwargs, timeout=timeout, env=env, pythonpath=[TESTS_DIR])
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def test_enabled_block_with_zero_stage_below_3_is_refused_at_initialize():
 
 
 @pytest.mark.parametrize("case, setting", [("persistent", "zero_optimization.stage3_param_persistence_threshold"),
-                                           ("budget", "fcdp.host_budget")])
+                                           ("budget", "fcdp.host_budget"), ("min_numel", "fcdp.min_numel")])
 def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
     res = run_ranks("activation:nothing_cached", 4, case=case)
     on = [w for w in res[0]["warnings"] if w.startswith("fcdp: ON for this engine")]
@@ -31,6 +31,9 @@ def test_cache_holding_nothing_warns_once_naming_the_setting(case, setting):
     assert len(warnings) == 1, warnings
     assert "the cache holds no parameter" in warnings[0] and setting in warnings[0], warnings[0]
     assert len(on) == 1 and re.search(r"; 0 of \d+ parameters cached", on[0]), on  # the engine's one line says so too
+    assert "the cache holds no parameter" in on[0] and "plain ZeRO-3" not in on[0], on
+    if case == "min_numel":  # nothing cached, yet the gradients take FCDP's hierarchical path
+        assert "grad_reduce hierarchical" in on[0] and "(gradients reduced in two stages" in on[0], on[0]
     for r in res:
         assert r["optimizer"] == "FCDPStage3" and r["stats"]["cached_params"] == 0 and r["stats"]["cache_hits"] == 0
         assert not r["warnings"] or r is res[0]
@@ -134,3 +137,30 @@ def test_startup_hook_installs_whichever_module_imports_deepspeed_first(first):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "INSTALLED True" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_first_cpu_run_says_deepspeed_builds_its_comm_op(tmp_path):
+    """``import deepspeed`` (FCDP installed by the startup hook) on the CPU accelerator, the shm comm op not built in
+    TORCH_EXTENSIONS_DIR: one line on rank 0 says why the first init_distributed is quiet for minutes; none once the
+    op is built (this venv's, scripts/test.sh builds it), none on other ranks."""
+    import os
+    import subprocess
+    import sys
+    from fcdp_deepspeed.activation import shm_hint
+
+    def stderr(ext_dir: str, **env: str) -> str:
+        full = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": ext_dir, **env}
+        full.pop("RANK", None) if "RANK" not in env else None
+        proc = subprocess.run([sys.executable, "-c", "import deepspeed, fcdp_deepspeed; assert fcdp_deepspeed.is_installed()"],
+                              capture_output=True, text=True, timeout=300, env=full)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stderr
+
+    first = stderr(str(tmp_path))
+    assert first.count("fcdp: DeepSpeed builds its CPU communication op (deepspeed_shm_comm) once") == 1, first
+    assert "build_shm_op()" in first and not os.listdir(tmp_path)  # nothing built or created by the check
+    assert "fcdp: DeepSpeed builds" not in stderr(str(tmp_path), RANK="1")
+    built = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    if not os.path.exists(os.path.join(built, shm_hint.OP_NAME, f"{shm_hint.OP_NAME}.so")):
+        pytest.skip(f"the shm op is not built in {built} (scripts/test.sh builds it)")
+    assert "fcdp: DeepSpeed builds" not in stderr(built)

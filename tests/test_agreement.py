@@ -1,4 +1,4 @@
-"""Every rank issues the same collectives in the same order (docs/agreement.md).
+"""Every rank issues the same collectives in the same order (docs/how-it-works.md).
 
 - a fetch that mixes batched-refill hits with misses the two-stage gather does not serve (an expert
   parameter of another process group, an autocast communication dtype) is split into parts that each

@@ -1,4 +1,4 @@
-"""The package's rooms and floors, checked on its source (AST) and by importing it (docs/ARCHITECTURE.md).
+"""The package's rooms and floors, checked on its source (AST) and by importing it (docs/architecture.md).
 
 - every module lies in one room (a folder of the package, or one of its four root files), and the rooms
   stand on floors (``FLOORS``, bottom first): a module imports, at module level or inside a function,
@@ -43,11 +43,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("faults", "version"),    # test faults; the package version
     ("config",),              # the config blocks, their refusals, DeepSpeed's release differences
     ("machine",),             # the device door and strict mode; nodes, groups, communicators
+    ("compress",),            # the codec of the inter-node hop (a leaf: each path applies it), its state envelope
     ("reporting",),           # byte ledger, counters, timeline, monitor
     ("storage",),             # cache entries and slots, placement, memory limits
-    ("grads",),               # the gradient path
-    ("compress",),            # lossy compression of the inter-node hop (params and gradients)
-    ("runtime", "diloco"),    # the parameter cache per engine; DiLoCo's outer steps
+    ("grads",),               # the gradient path, its compressed inter-node stage and residuals included
+    ("runtime", "diloco"),    # the parameter cache per engine, its compressed stage 1; DiLoCo's outer steps
     ("engine",),              # the stage-3 optimizer subclasses and what an engine adds
     ("activation",),          # install(), the startup path, the version gate
     ("integrations",),        # the HF Trainer callback
@@ -229,6 +229,9 @@ def test_the_floor_check_finds_imports_up_and_across():
     assert floor_violations({"fcdp_deepspeed.activation.autoload": {PACKAGE}}) != []
     assert floor_violations({"fcdp_deepspeed.compress.quant": {"fcdp_deepspeed.config"},
                              "fcdp_deepspeed.engine.stage3": {"fcdp_deepspeed.engine.announce"}}) == []
+    # the codec is a leaf: it never reaches back into a path that applies it
+    assert floor_violations({"fcdp_deepspeed.compress.quant": {"fcdp_deepspeed.grads.inflight"}}) != []
+    assert floor_violations({"fcdp_deepspeed.grads.compressed": {"fcdp_deepspeed.compress.quant"}}) == []
 
 
 def test_the_import_reader_resolves_the_facade_and_submodules(tmp_path):

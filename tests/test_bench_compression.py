@@ -1,6 +1,6 @@
 """``python -m fcdp_lab bench`` with compression (issue 23): the compressed engines' blocks, layouts, ratios against the exact
 bound and the exact defaults, the LoRA step-time floor, the targets and the preset. Arithmetic on made-up
-rows; the runs themselves are the lead's (docs/BENCHMARKS.md)."""
+rows; the runs themselves are the lead's (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -107,17 +107,18 @@ def test_committed_rows_keep_their_ratios():
 
 
 def test_committed_compression_run_meets_every_target():
-    """docs/bench_compression_*.json (``python -m fcdp_lab bench --preset compression``, the lead's quiet-machine run): every
+    """docs/results/compression/*.json (``python -m fcdp_lab bench --preset compression``, the lead's quiet-machine run): every
     target of :data:`TARGETS` is decided by the part that decides it, met, and recomputes from the committed rows."""
     import json
     from pathlib import Path
-    docs = Path(__file__).resolve().parent.parent / "docs"
-    found = json.loads((docs / "bench_compression_targets.json").read_text())
+    results = Path(__file__).resolve().parent.parent / "docs" / "results" / "compression"
+    found = json.loads((results / "targets.json").read_text())
     assert found and all(t["met"] is True for t in found), [t for t in found if not t["met"]]
     assert {(t.job, t.engine, t.metric) for t in TARGETS} == {(t["job"], t["engine"], t["metric"]) for t in found}
     layouts = {t["layout"] for t in found if t["metric"] == "bytes_vs_bound" and t["job"] == "full"}
     assert layouts == {"2x2", "2x4", "4x2"}
     for name, part in PRESETS["compression"].items():
-        rows = json.loads((docs / f"bench_compression_{name}_results.json").read_text())["rows"]
+        file = {"full100": "full-100mbit", "lora10": "lora-10mbit"}.get(name, name)
+        rows = json.loads((results / f"{file}.json").read_text())["rows"]
         mine = [t for t in found if t["part"] == name]
         assert [{k: v for k, v in t.items() if k != "part"} for t in mine] == targets(rows, part.decides)

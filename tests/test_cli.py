@@ -87,8 +87,8 @@ def test_plan_labels_units_and_echoes_assumptions(capsys):
 
 def test_compressed_model_is_the_codec_wire_size():
     """Per message the codec's wire size (``compress.wire_bytes``); ``off`` is fcdp_node's exact trainable traffic;
-    references 1/L of the trainable parameters per rank in the parameter dtype, residuals (N - 1)/N of that in
-    fp32 (the own row has none), doubled with fp16 dynamic loss scaling."""
+    references 1/L of the trainable parameters per rank in the parameter dtype, residuals two fp32 slots of the
+    N - 1 rows a rank sends (the own row has none), whatever the precision."""
     n_nodes, L, numel, block = 4, 8, 10_000_000, 128
     w, per_owner = n_nodes * L, math.ceil(10_000_000 / 32)
     exact = compressed_step(n_nodes, L, numel, dtype_bytes=2)
@@ -98,9 +98,9 @@ def test_compressed_model_is_the_codec_wire_size():
     int4 = compressed_step(n_nodes, L, numel, 2, "off", "int4", block)
     assert int4["grad_stage_bytes"] == (n_nodes - 1) * w * math.ceil(per_owner / block) * (4 + block // 2)
     assert int4["param_stage_bytes"] == exact["param_stage_bytes"] and int4["reference_bytes_per_rank"] == 0
-    assert int8["reference_bytes_per_rank"] == numel / L * 2 and int8["residual_bytes_per_rank"] == numel / L * 4 * (n_nodes - 1) / n_nodes
-    fp16 = compressed_step(n_nodes, L, numel, 2, "off", "int8", block, fp16_dynamic_loss_scale=True)
-    assert fp16["residual_bytes_per_rank"] == 2 * int8["residual_bytes_per_rank"]
+    # residuals: two fp32 slots (committed, pending) of the N - 1 sent rows of ceil(numel / W), in every precision
+    assert int8["reference_bytes_per_rank"] == numel / L * 2
+    assert int8["residual_bytes_per_rank"] == 2 * 4 * (n_nodes - 1) * math.ceil(numel / w)
     assert not compressed_step(1, 8, numel, 2, "int8", "int8")["applies"]  # one node: no inter-node stage
     # in the plan: rows on top of fcdp_node, fewer bytes than it, none for one node
     result = planner.plan(planner.ClusterSpec(params=7e9, nodes=4, ranks_per_node=8))
@@ -169,3 +169,65 @@ def test_doctor_says_when_the_startup_file_installs_nothing(monkeypatch):
     monkeypatch.setenv("FCDP_AUTOLOAD", "0")
     warn = [c for c in doctor.startup_checks() if c.status != "ok"]
     assert warn and "FCDP_AUTOLOAD=0" in warn[0].message and "fcdp_deepspeed.install()" in warn[0].fix
+
+
+DILOCO_BLOCK = {"enabled": True, "diloco": {"enabled": True, "sync_every": 10, "compression": "int4"}}
+
+
+@pytest.mark.parametrize("zero, needles", [
+    ({"stage": 3, "stage3_prefetch_bucket_sise": 1000},
+     ["FAIL  deepspeed zero_optimization.stage3_prefetch_bucket_sise = 1000: DeepSpeed knows no such key (did you mean "
+      "'stage3_prefetch_bucket_size'?)", "fix: rename it to zero_optimization.stage3_prefetch_bucket_size"]),
+    ({"stage": "three"}, ["FAIL  deepspeed zero_optimization.stage = 'three'",
+                          "fix: set zero_optimization.stage to 3, a JSON number"]),
+])
+def test_doctor_with_a_layout_turns_deepspeed_errors_into_fail_lines(tmp_path, capsys, zero, needles):
+    """``fcdp doctor --config ds.json --nodes 2 --ranks-per-node 2``: a DeepSpeed-side error is a FAIL line naming
+    the key and the fix, exit 1, and no plan is resolved from a config DeepSpeed refuses (no traceback)."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 8, "zero_optimization": zero, "fcdp": {"enabled": True}}))
+    code, out, err = run(["doctor", "--config", str(cfg), "--nodes", "2", "--ranks-per-node", "2"], capsys)
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert code == 1 and "Traceback" not in out + err and len(fails) == 1, out + err
+    assert all(n in out for n in needles) and "plan for" not in out, out
+
+
+def test_doctor_describes_a_diloco_config_as_the_engine_runs_it(tmp_path, capsys):
+    """A DiLoCo block: lossy, no FCDP cache, nothing exchanged across nodes but the pseudo-gradients, in the words
+    of the engine's on line (``announce.diloco_words``), not the exact cache path's."""
+    from fcdp_deepspeed.config import parse_fcdp_config
+    from fcdp_deepspeed.engine.announce import DILOCO_NO_CACHE, diloco_words
+    ds = {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}, "fcdp": DILOCO_BLOCK}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(ds))
+    code, out, err = run(["doctor", "--config", str(cfg), "--nodes", "2", "--ranks-per-node", "2"], capsys)
+    assert code == 0 and "Traceback" not in out + err, out + err
+    assert f"LOSSY DiLoCo across 2 nodes: {diloco_words(parse_fcdp_config(ds).diloco)}" in out, out
+    assert DILOCO_NO_CACHE in out and "outer_lr 1.0, outer_momentum 0.0" in out, out
+    assert "cache_device" not in out and "exact (param_compression" not in out, out
+
+
+def test_help_and_plan_import_neither_deepspeed_nor_torch_and_plan_json_is_pure(tmp_path):
+    """``fcdp --help``, ``fcdp plan --help``, ``fcdp doctor --help`` and ``fcdp plan --json`` (with a DiLoCo config)
+    import neither DeepSpeed nor torch; without DS_ACCELERATOR (no GPU here) stdout is JSON alone; ``fcdp --help``
+    names the project's URL (an installed user has no docs/ folder)."""
+    import subprocess
+    import sys
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}, "fcdp": DILOCO_BLOCK}))
+    probe = ("import sys, contextlib, io\nfrom fcdp_deepspeed.tools import cli\nfor argv in (['--help'], ['plan', "
+             "'--help'], ['doctor', '--help']):\n    with contextlib.redirect_stdout(io.StringIO()):\n        try: "
+             "cli.main(argv)\n        except SystemExit: pass\nprint(sorted(m for m in ('deepspeed', 'torch') if m in "
+             "sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "fcdp_deepspeed.tools.cli", "plan", "--params", "7B", "--nodes", "2",
+                           "--ranks-per-node", "2", "--config", str(cfg), "--json"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["diloco"]["sync_every"] == 10 and result["compressed"]
+    from fcdp_deepspeed.tools.args import project_url
+    usage = cli.usage()
+    assert "docs/" not in usage and (not project_url() or f"documentation: {project_url()}" in usage)

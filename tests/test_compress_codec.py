@@ -241,17 +241,31 @@ def test_the_fused_cpu_codec_gives_the_torch_ops_bytes_and_bits(kernel, monkeypa
                        _bits(codec.torch_decode_rows(wide[:, 8:].contiguous(), x.shape[1])))
 
 
-@pytest.mark.parametrize("broken", ["FCDP_BREAK_ROUND", "FCDP_BREAK_SCALE"])
+#: Broken variants of the kernel: one expression of ``native_codec.c``'s ``code`` replaced in a copy of the source.
+KERNEL_BREAKS = {
+    "round": ("    v = (v + MAGIC) - MAGIC;\n", "    v = v < 0.0f ? -floorf(-v + 0.5f) : floorf(v + 0.5f);\n"),
+    "scale": ("    v = v / safe;\n", "    v = v * (1.0f / safe);\n"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(KERNEL_BREAKS))
 def test_a_fused_codec_with_other_arithmetic_fails_its_check_and_is_not_used(tmp_path, monkeypatch, caplog, broken):
-    """Broken variants of the kernel, built from the same source: rounding half away from zero instead of to even,
-    the scale applied as a reciprocal multiplication instead of a division. Each changes only some elements' bits;
-    the load-time check (``kernel_agrees``) finds it and ``cpu_kernel`` falls back to the torch ops with a warning
-    (``FCDP_CODEC_KERNEL=native`` refuses instead). The correct build passes the same check."""
+    """Broken variants of the kernel, built from a copy of the source with one expression replaced: rounding half
+    away from zero instead of to even, the scale applied as a reciprocal multiplication instead of a division. Each
+    changes only some elements' bits; the load-time check (``kernel_agrees``) finds it and ``cpu_kernel`` falls back
+    to the torch ops with a warning (``FCDP_CODEC_KERNEL=native`` refuses instead). The correct build passes the same
+    check."""
     import logging
 
     from fcdp_deepspeed.compress import native, quant
     good = native.Kernel(native.build(directory=tmp_path))
-    bad = native.Kernel(native.build(extra=(f"-D{broken}",), directory=tmp_path))
+    text = native.SOURCE.read_text()
+    expression, replacement = KERNEL_BREAKS[broken]
+    assert text.count(expression) == 1, f"the kernel no longer holds {expression.strip()!r}: update KERNEL_BREAKS"
+    source = tmp_path / f"broken_{broken}" / native.SOURCE.name
+    source.parent.mkdir()
+    source.write_text(text.replace(expression, replacement))
+    bad = native.Kernel(native.build(source=source, directory=tmp_path))
     assert quant.kernel_agrees(good) and not quant.kernel_agrees(bad)
     monkeypatch.setattr(native, "load", lambda: bad)
     quant.cpu_kernel.cache_clear()

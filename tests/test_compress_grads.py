@@ -1,4 +1,4 @@
-"""The compressed inter-node gradient stage (``fcdp.grad_compression``, ``fcdp_deepspeed/compress/grads.py``) with
+"""The compressed inter-node gradient stage (``fcdp.grad_compression``, ``fcdp_deepspeed/grads/compressed.py``) with
 error feedback, through ``deepspeed.initialize`` on real gloo groups, 2 nodes x 2, every scenario in one launch.
 
 What is proved: the test-only identity codec makes the compressed path bit-identical to the exact hierarchical
@@ -17,7 +17,7 @@ import torch
 
 from conftest import run_ranks
 from fcdp_deepspeed.compress import codec_for
-from fcdp_deepspeed.compress.residual import ResidualStore
+from fcdp_deepspeed.grads.residual import ResidualStore
 from fcdp_deepspeed.config import FCDPConfigError, parse_fcdp_config
 from fcdp_deepspeed.grads.plan import check_grad_compression, resolve_grad_plan
 
@@ -31,7 +31,7 @@ EF_STEPS = 12
 #: Steps of the invariant scenarios, and the checkpoint event after the first micro-step of some windows.
 INV_STEPS, MID_WINDOW = 3, {1: "save", 2: "save16"}
 #: Residuals of 3 of the 8 LoRA adapters fit: 2 slots x (N - 1) = 1 sent row x P=16 fp32 elements each, per rank
-#: (2 per node; the own row has none, [Note: the own row] in compress/grads.py).
+#: (2 per node; the own row has none, [Note: the own row] in grads/compressed.py).
 LORA_BUDGET = 2 * 3 * (2 * 1 * 16 * 4)
 CLIP = dict(lr=0.0, steps=4, clip=1.0, spike={2: 1000.0}, record_grads=True)  # a 1000x spike at step 2, clipped
 SCENARIOS = [
@@ -169,7 +169,7 @@ def test_one_ranks_reconstruction_off_by_one_ulp_fails_the_replica_check(runs):
 
 
 def test_the_own_row_crosses_exact(runs):
-    """[Note: the own row] in compress/grads.py: the first step's (no residual yet) relative error of each rank's
+    """[Note: the own row] in grads/compressed.py: the first step's (no residual yet) relative error of each rank's
     partition against the exact sum is lower than with the own row quantized too (the broken variant), by about the
     1/N share the own row had; the residual holds N - 1 rows."""
     for codec in ("int4", "int8"):
@@ -205,6 +205,8 @@ def test_bf16_and_fp16_gradients_compress(runs, dtype):
         assert ident["stats"][-1]["grad_compressed_exchanges"] > 0
         lossy = per_rank["int8_bf16" if dtype == "bf16" else "int4_fp16"]
         assert lossy["stats"][-1]["grad_compressed_exchanges"] > 0 and lossy["skipped_steps"] == 0
+        from fcdp_deepspeed.tools.plan.compression import residual_bytes_per_rank  # the same in every precision
+        assert lossy["stats"][-1]["grad_residual_host_bytes"] == residual_bytes_per_rank(2, 2, (1024, 32) * 6)
         assert all(torch.isfinite(torch.tensor(lossy["losses"])))
 
 
@@ -231,8 +233,10 @@ def test_inter_node_gradient_bytes_drop_by_the_wire_ratio(runs, name, codec, low
             calls * codec_for(codec, 128).wire_numel(row_numel)
         assert s["grad_compression"] == codec and s["grad_residual_params"] == 12
         placed = "grad_residual_device_bytes" if "device" in name else "grad_residual_host_bytes"
-        # 2 slots x 4 bytes x (N - 1) = 1 sent row ([Note: the own row]) x P per parameter
+        # 2 slots x 4 bytes x (N - 1) = 1 sent row ([Note: the own row]) x P per parameter: what `fcdp plan` prints
+        from fcdp_deepspeed.tools.plan.compression import residual_bytes_per_rank
         assert s[placed] == 2 * 4 * 1 * sum(-(-n // 4) for n in (1024, 32) * 6) and s["grad_residual_rel_norm"] > 0
+        assert s[placed] == residual_bytes_per_rank(2, 2, (1024, 32) * 6)
 
 
 def test_error_feedback_tracks_the_exact_sum_over_steps(runs):
@@ -295,7 +299,7 @@ def test_a_load_without_the_optimizer_state_resets_the_compression_state(runs, l
     """load_checkpoint(load_optimizer_states=False) and load_module_only=True never call the optimizer's
     load_state_dict (DeepSpeed restores the master weights from the 16-bit ones), and a universal checkpoint holds
     no envelope: each starts the residuals from zero, every reference empty and the refresh counter at 0, as
-    docs/COMPRESSION.md says (before: residuals and counter kept across the first two)."""
+    docs/compression.md says (before: residuals and counter kept across the first two)."""
     for per_rank in runs:
         r = per_rank["reloads"][load]
         before, after = r["before"], r["after"]
@@ -385,13 +389,13 @@ def _store(nodes: int, sizes: dict, values: torch.Tensor) -> ResidualStore:
 @pytest.mark.parametrize("nodes,me", [(2, 0), (2, 1), (3, 1), (4, 0), (4, 3)])
 @pytest.mark.parametrize("name,dtype", [("int8", torch.float32), ("int4", torch.float32), ("int4", torch.bfloat16)])
 def test_the_vectorised_exchange_sends_keeps_and_sums_the_per_parameter_exchange_s_bits(monkeypatch, nodes, me, name, dtype):
-    """[Note: the vectorised exchange] in compress/grads.py: one residual read, one encode and one decode per side for a
+    """[Note: the vectorised exchange] in grads/compressed.py: one residual read, one encode and one decode per side for a
     bucket give every byte sent to another node, every residual kept and the summed partition of the per-parameter
     exchange before it (``tests/codec_reference.py``), bit for bit: committed, clipped, rescaled, pending and absent
     residuals, padded rows, signed zeros and a NaN, fp32 and bf16 node sums."""
     from types import SimpleNamespace
     from codec_reference import reference_exchange
-    from fcdp_deepspeed.compress import grads as compress_grads
+    from fcdp_deepspeed.grads import compressed as compress_grads
     gen = torch.Generator().manual_seed(nodes * 10 + me)
     codec = codec_for(name, 16, side="grads")
     ds_ids, sizes = [11, 3, 7, 20], [37, 64, 5, 100]  # bucket order, not ds_id order

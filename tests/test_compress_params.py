@@ -93,7 +93,7 @@ def test_replicas_are_bitwise_equal_on_every_rank_after_every_step(suite):
 
 
 def test_one_ranks_reconstruction_off_by_one_ulp_fails_the_replica_check(suite):
-    """The broken variant (``FCDP_BREAK_COMPRESSION=reconstruction@1``): caught at the first compressed gather.
+    """The broken variant (the lab's ``compression.reconstruction@1``): caught at the first compressed gather.
     (An exact flat gather of each rank's partitions, the check before issue 33, agrees whatever each rank computed.)"""
     assert not _replicas_agree(suite, "broken_replica")
     # rank 1's bundle reaches its node peer (rank 0) through the exact stage 2: node 0 differs from node 1
@@ -245,7 +245,7 @@ def test_checkpoint_resume_is_bit_identical_and_foreign_checkpoints_start_exact(
 
 
 def test_each_rank_saves_only_its_share_of_the_references_and_a_load_rebuilds_them(suite):
-    """[Note: reference shares] in compress/reference.py: one row of the bundle per rank (1/N of what it holds); the
+    """[Note: reference shares] in runtime/compression_reference.py: one row of the bundle per rank (1/N of what it holds); the
     resume above rebuilds every bundle bit for bit from the peers' rows, and rows taken from the wrong peers (the
     broken variant) do not resume the run."""
     for per_rank in suite:
@@ -300,14 +300,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_the_vectorised_stage1_sends_and_reconstructs_the_per_parameter_stage1_s_bits(monkeypatch, dtype, name, nodes, me,
                                                                                      in_flight):
-    """[Note: the vectorised stage 1] in compress/params.py: one delta, one encode, one decode of all N messages and one
+    """[Note: the vectorised stage 1] in runtime/compressed_gather.py: one delta, one encode, one decode of all N messages and one
     reconstruction for a gather give the message, every reconstruction, every new reference and the drift of the
     per-parameter loop before it (``tests/codec_reference.py``), bit for bit: host references sharing a pool chunk (one
     copy of their span) and an accelerator one, block padding between parameters, a partition past the parameter's
     end (its uninitialized elements NaN here) and one with no element of it, every parameter dtype."""
     from codec_reference import reference_stage1
-    from fcdp_deepspeed.compress import codec_for, params as compress_params
-    from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceStore, RefState
+    from fcdp_deepspeed.compress import codec_for
+    from fcdp_deepspeed.runtime import compressed_gather as compress_params
+    from fcdp_deepspeed.runtime.compression_reference import CompressionCounters, Reference, ReferenceStore, RefState
     from fcdp_deepspeed.storage.cache import Placement
     world = 2 * nodes
     dp_index = world - 1  # the last rank: partitions past the parameters' ends

@@ -279,3 +279,10 @@ def test_an_uncaught_config_error_is_one_line_per_rank(monkeypatch, capsys):
     monkeypatch.setenv("FCDP_TRACEBACK", "0")
     excepthook._hook(KeyError, KeyError("other errors keep their traceback"), None)
     assert seen == [FCDPConfigError, KeyError] and capsys.readouterr().err == ""
+
+
+def test_diloco_outer_defaults_are_plain_averaging():
+    """``fcdp.diloco`` without outer settings: outer_lr 1, momentum 0 (plain averaging, the measured best at H = 10,
+    docs/diloco.md); Nesterov stays DiLoCo's choice for a momentum the user sets."""
+    block = parse_fcdp_config({"fcdp": {"enabled": True, "diloco": {"sync_every": 10}}}).diloco
+    assert (block.outer_lr, block.outer_momentum, block.nesterov) == (1.0, 0.0, True)

@@ -1,6 +1,6 @@
 """The convergence benchmark's pieces (``python -m fcdp_lab converge``): data split, model size, batches, the results writer
 and resume logic, and one live few-step run on 4 ranks (simulated nodes) whose ranks must agree bit for bit.
-The 500-step sweep itself is run by hand (docs/BENCHMARKS.md)."""
+The 500-step sweep itself is run by hand (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
@@ -131,16 +131,17 @@ def test_diloco_trains_as_its_plain_pytorch_reference(tmp_path, monkeypatch):
     ``converge_reference`` (one process, per-node AdamW replicas, DeepSpeed's schedule, ZeRO-3's clipping, the outer
     step on the mean pseudo-gradient) step for step: the per-node data, inner optimizer, clipping, schedule and
     sync are DiLoCo's, not only the outer step. The broken variant whose sync skips the 16-bit partitions
-    (``FCDP_BREAK_DILOCO=skip_reassign``) departs from it."""
-    spec = converge.ConvergeSpec(settings=["diloco2"], dtypes=["fp32"], steps=6, eval_every=3, eval_windows=8,
-                                 context=32, width=32, layers=1, heads=2, warmup_steps=1, lr=1e-2, timeout_s=240)
-    ref = converge_reference.train(spec, "diloco2")
+    (``FCDP_LAB_BREAK=diloco.skip_reassign``) departs from it."""
+    spec = converge.ConvergeSpec(settings=["diloco2_lr0.7_mom0.9"], dtypes=["fp32"], steps=6, eval_every=3,
+                                 eval_windows=8, context=32, width=32, layers=1, heads=2, warmup_steps=1, lr=1e-2,
+                                 timeout_s=240)
+    ref = converge_reference.train(spec, "diloco2_lr0.7_mom0.9")
     far = lambda rec: max(abs(a - b) for a, b in zip(rec["train_losses"], ref["train_losses"], strict=True))  # noqa: E731
     (rec,) = converge.run_converge(spec, tmp_path / "ok", netns=False, log=lambda *_: None)
     assert rec["bitwise_equal_across_ranks"] and rec["fcdp_stats"]["diloco_syncs"] == 3
     assert far(rec) < 1e-5 and abs(rec["final_heldout_loss"] - ref["final_heldout_loss"]) < 1e-5, (rec, ref)
     assert ref["train_losses"][-1] < ref["train_losses"][0]
-    monkeypatch.setenv("FCDP_BREAK_DILOCO", "skip_reassign")
+    monkeypatch.setenv("FCDP_LAB_BREAK", "diloco.skip_reassign")
     (broken,) = converge.run_converge(spec, tmp_path / "broken", netns=False, log=lambda *_: None)
     assert far(broken) > 1e-3
 
@@ -161,7 +162,7 @@ def test_diloco_warmup_trains_as_its_plain_pytorch_reference(tmp_path):
     assert max(abs(a - b) for a, b in zip(plain["train_losses"], ref["train_losses"])) > 1e-3
 
 def test_committed_convergence_run_meets_its_claims():
-    """docs/converge_results.json (the lead's quiet-machine sweep, once committed): >= 500 steps of a >= 1M-parameter
+    """docs/results/compression/converge.json (the lead's quiet-machine sweep, once committed): >= 500 steps of a >= 1M-parameter
     model on 2 x 2 with kernel-counted bytes, trained with the codecs this code builds, every compressed setting
     within 1% of exact's held-out loss and the model bitwise equal on every rank."""
     from pathlib import Path

@@ -1,7 +1,7 @@
 """Strict device mode (``FCDP_STRICT_DEVICE=1``): the CUDA discipline of FCDP's host/accelerator traffic,
 checked on the CPU accelerator, 2 nodes x 2 ranks, through ``deepspeed.initialize``.
 
-The strict door (``fcdp_deepspeed.machine.strict_device``) makes the door's host memory a ``HostTensor``: mixing it
+The strict door (``fcdp_lab/strict/strict_device.py``) makes the door's host memory a ``HostTensor``: mixing it
 with accelerator tensors raises, a collective refuses it (as NCCL would), staging host slots before a
 gather runs as on CUDA, and every blocking host/accelerator operation is logged with its call site. Steady
 state: from the second optimizer step on (the first fills the cache and builds the reduction index).
@@ -76,10 +76,10 @@ ORDERINGS = {
                         r"its write on stream 'default' at [\w/.]+:\d+ _optimizer_event_probe"),
     # the reduce stream waits for a host residual's copy to the accelerator (residual stream)
     "residual_ready": (r"read of accelerator copy of host memory on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+ "
-                       r".* is not ordered after its write on stream 'fcdp_grad_residual' at compress/residual.py:\d+ "
+                       r".* is not ordered after its write on stream 'fcdp_grad_residual' at grads/residual.py:\d+ "
                        r"_host_to_accel"),
     # the residual stream waits for the new residual (reduce stream) before copying it to the host
-    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at compress/residual.py:\d+ write_many .* is not "
+    "residual_value": (r"read of [\w ]+ on stream 'fcdp_grad_residual' at grads/residual.py:\d+ write_many .* is not "
                        r"ordered after its write on stream 'ds_reduce_and_partition' at [\w/.]+:\d+ \w+"),
     # the reduce stream waits for the gradient's inter-node stage (its group's stream) before reading what it received
     # (issue 31: the stage runs behind the backward, grads/inflight.py); exact, and compressed (decoded at completion)
@@ -236,7 +236,7 @@ def test_blocking_residual_copy_is_counted():
 
 def test_strict_door_tells_host_from_accelerator():
     """In-process: the subclass survives ops, mixing raises, the door's copies cross, pageable copies are logged."""
-    from fcdp_deepspeed.machine import strict_device as sd
+    from fcdp_lab.strict import strict_device as sd
     door = sd.StrictDoor()
     host = door.pin_empty(4, torch.float32).zero_()
     assert isinstance(torch.cat([host, host]), sd.HostTensor) and isinstance(host.double()[1:], sd.HostTensor)
@@ -254,7 +254,7 @@ def test_strict_door_tells_host_from_accelerator():
 @contextmanager
 def _collected():
     """The stream-order model with violations collected (in-process), the tracker on for the block."""
-    from fcdp_deepspeed.machine import strict_streams as ss
+    from fcdp_lab.strict import strict_streams as ss
     with ss.tracking() as model:
         model.raise_errors, mark = False, len(model.violations)
         found: list[str] = []
@@ -269,7 +269,7 @@ def _collected():
 def test_stream_model_reports_each_kind_with_both_sites():
     """In-process: a read on another stream before a wait, a host read of pinned memory before its copy's event,
     a free while another stream used it without record_stream; each fixed by the ordering it lacked."""
-    from fcdp_deepspeed.machine import strict_device as sd
+    from fcdp_lab.strict import strict_device as sd
     door = sd.StrictDoor()
     here = r"tests/test_device_discipline.py:\d+ test_stream_model_reports_each_kind_with_both_sites"
     side = door.side_stream("test")
@@ -325,7 +325,7 @@ def _filled_entry(door, host_wait):
 def test_verify_checksum_waits_for_the_fill():
     """Verify mode's host checksum reads the pinned slot: after ``host_wait(entry.ready)``, never before (broken
     variant: the host wait dropped)."""
-    from fcdp_deepspeed.machine import strict_device as sd
+    from fcdp_lab.strict import strict_device as sd
     door = sd.StrictDoor()
     with _collected() as found:
         entry = _filled_entry(door, door.host_wait)
@@ -346,7 +346,7 @@ def test_fill_runs_on_its_stream_ordered_by_events(placement, broken):
     source is ``record_stream``-ed on the fill stream, the reader waits for the fill."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from fcdp_deepspeed.machine import strict_device as sd
+    from fcdp_lab.strict import strict_device as sd
     from fcdp_deepspeed.reporting.stats import CacheCounters
     from fcdp_deepspeed.storage.cache import CacheEntry, NodeCache, Placement, SlotPool
     door = sd.StrictDoor()

@@ -190,7 +190,7 @@ def test_checkpoint_with_deepspeeds_file_ownership_does_not_resume_exactly(tmp_p
     weights, and the load's agreement check refuses the nodes' different outer parameters."""
     from fcdp_lab.harness.launch import RankFailure
     with pytest.raises(RankFailure, match="different outer parameters after the checkpoint load"):
-        _checkpoint_run(str(tmp_path), env={"FCDP_BREAK_DILOCO": "node_files"})
+        _checkpoint_run(str(tmp_path), env={"FCDP_LAB_BREAK": "diloco.node_files"})
 
 
 def test_one_node_is_refused_with_the_fix():
@@ -248,9 +248,9 @@ def test_committed_byte_measurements_meet_the_targets_and_the_doc_quotes_them():
     import json
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "bench_diloco_bytes_results.json").read_text())
+    data = json.loads((root / "docs/results/diloco/bytes.json").read_text())
     rows = {r["engine"]: r for r in data["rows"]}
-    doc = (root / "docs" / "DILOCO.md").read_text()
+    doc = (root / "docs" / "diloco.md").read_text()
     for engine, target in data["meta"]["targets"].items():
         ratio = rows[engine]["bytes_vs_bound"]
         assert ratio <= target and 0.95 <= rows[engine]["counted_vs_kernel"] <= 1.05
@@ -258,19 +258,19 @@ def test_committed_byte_measurements_meet_the_targets_and_the_doc_quotes_them():
 
 
 def test_committed_throughput_meets_the_targets_and_the_doc_quotes_it():
-    """Issue 32's throughput targets on the committed run (docs/bench_diloco_throughput_results.json): the slow hop
+    """Issue 32's throughput targets on the committed run (docs/results/diloco/throughput.json): the slow hop
     hidden at 100 Mbit/s (<= 1.2x the unlimited network's mean step) and >= 10x the exact defaults at 10 Mbit/s."""
     import json
     from pathlib import Path
 
     from fcdp_lab.bench import diloco as bench_diloco
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "bench_diloco_throughput_results.json").read_text())
+    data = json.loads((root / "docs/results/diloco/throughput.json").read_text())
     again = bench_diloco.ratios(data["rows"])  # the ratios follow from the committed rows
     assert again == data["ratios"]
     hidden, speedup = again["hidden"]["diloco10_int4"], again["speedup"]["diloco10_int4"]
     assert hidden <= bench_diloco.HIDDEN_TARGET and speedup >= bench_diloco.SPEEDUP_TARGET
-    doc = (root / "docs" / "DILOCO.md").read_text()
+    doc = (root / "docs" / "diloco.md").read_text()
     assert f"**{hidden:.3f}x**" in doc and f"**{speedup:.1f}x**" in doc
     for row in data["rows"]:  # whole sync intervals: every 10th timed step is a sync
         assert len(row["all_step_times"]) % 10 == 0
@@ -332,14 +332,14 @@ def test_checkpoints_across_modes_refuse_rigid_loads_and_convert_through_univers
 
 
 def test_the_outer_optimizer_sweep_and_the_doc_quote_each_other():
-    """docs/converge_diloco_outer_sweep.json (the plain-PyTorch reference, H = 10, 500 steps): docs/DILOCO.md quotes
+    """docs/results/diloco/outer-sweep.json (the plain-PyTorch reference, H = 10, 500 steps): docs/diloco.md quotes
     every setting's held-out loss and its ratio to exact; plain averaging is the best of them."""
     import json
     from pathlib import Path
     from fcdp_lab.converge import converge
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "converge_diloco_outer_sweep.json").read_text())
-    doc = (root / "docs" / "DILOCO.md").read_text()
+    data = json.loads((root / "docs/results/diloco/outer-sweep.json").read_text())
+    doc = (root / "docs" / "diloco.md").read_text()
     exact = data["meta"]["exact_final_heldout_loss"]
     for rec in data["records"]:
         assert rec["steps"] == 500 and len(rec["train_losses"]) == 500
@@ -348,18 +348,22 @@ def test_the_outer_optimizer_sweep_and_the_doc_quote_each_other():
         assert f"| `{rec['setting']}` |" in doc and f"| {loss:.4f} | {loss / exact:.4f}x |" in doc, rec["setting"]
     best = min(data["records"], key=lambda r: r["final_heldout_loss"])
     assert best["diloco"]["outer_lr"] == 1.0 and best["diloco"]["outer_momentum"] == 0.0
+    # the block's defaults are the best record's own stored outer settings
+    from fcdp_deepspeed.config.diloco import DiLoCoConfig
+    assert (DiLoCoConfig().outer_lr, DiLoCoConfig().outer_momentum) == (best["diloco"]["outer_lr"],
+                                                                        best["diloco"]["outer_momentum"])
 
 
 def test_committed_convergence_sweep_and_the_doc_quote_each_other():
-    """docs/converge_diloco_results.json (`python -m fcdp_lab converge`, 500 steps, the 1.33M-parameter byte GPT): every rank bitwise
-    equal at the end; docs/DILOCO.md quotes every DiLoCo row's held-out loss against exact's, and whether it is
+    """docs/results/diloco/converge.json (`python -m fcdp_lab converge`, 500 steps, the 1.33M-parameter byte GPT): every rank bitwise
+    equal at the end; docs/diloco.md quotes every DiLoCo row's held-out loss against exact's, and whether it is
     within the issue's 2%."""
     import json
     from pathlib import Path
     from fcdp_lab.converge import converge, report as converge_report
     root = Path(__file__).resolve().parent.parent
-    doc = (root / "docs" / "DILOCO.md").read_text()
-    for name, dtype in (("converge_diloco_results.json", "fp32"), ("converge_diloco_bf16_results.json", "bf16")):
+    doc = (root / "docs" / "diloco.md").read_text()
+    for name, dtype in (("results/diloco/converge.json", "fp32"), ("results/diloco/converge-bf16.json", "bf16")):
         data = json.loads((root / "docs" / name).read_text())
         rows = converge_report.summary_rows(data["records"])
         assert {r["setting"] for r in rows} >= {"exact", "diloco10_lr1_mom0"}
@@ -376,17 +380,17 @@ def _quoted(data: dict, rows: list, doc: str, converge) -> None:
 
 
 def test_committed_batch32_reference_and_the_doc_quote_each_other():
-    """docs/converge_diloco_batch32_reference.json: exact and DiLoCo H = 10 at 4x the micro-batch (the reference);
-    docs/DILOCO.md quotes the ratio, which is below micro-batch 8's (the gap is batch-limited)."""
+    """docs/results/diloco/batch32-reference.json: exact and DiLoCo H = 10 at 4x the micro-batch (the reference);
+    docs/diloco.md quotes the ratio, which is below micro-batch 8's (the gap is batch-limited)."""
     import json
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "converge_diloco_batch32_reference.json").read_text())
+    data = json.loads((root / "docs/results/diloco/batch32-reference.json").read_text())
     loss = {r["setting"]: r["final_heldout_loss"] for r in data["records"]}
     assert all(r["steps"] == 500 and len(r["train_losses"]) == 500 for r in data["records"])
     ratio = loss["diloco10_lr1_mom0"] / loss["exact"]
     assert 1.0 < ratio < 1.1401
-    assert f"**{ratio:.4f}x**" in (root / "docs" / "DILOCO.md").read_text()
+    assert f"**{ratio:.4f}x**" in (root / "docs" / "diloco.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -442,17 +446,17 @@ def test_fcdp_plan_counts_two_stages_on_more_than_two_nodes():
 
 
 def test_the_ledger_counts_the_two_stage_all_to_all_as_the_kernel_does():
-    """docs/bench_diloco_4x1_results.json: DiLoCo's two-stage exchange on 4 nodes x 1 rank (an all-to-all of slices and
+    """docs/results/diloco/4x1.json: DiLoCo's two-stage exchange on 4 nodes x 1 rank (an all-to-all of slices and
     an all-gather) counted by the ledger within 1% of the kernel's uplink counters, at 2 (N - 1) / N of a shard per
-    rank per sync; DILOCO.md quotes it."""
+    rank per sync; diloco.md quotes it."""
     import json
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    rows = {r["engine"]: r for r in json.loads((root / "docs" / "bench_diloco_4x1_results.json").read_text())["rows"]}
+    rows = {r["engine"]: r for r in json.loads((root / "docs/results/diloco/4x1.json").read_text())["rows"]}
     r = rows["diloco10"]
     assert r["layout"] == "4x1" and 0.99 <= r["counted_vs_kernel"] <= 1.01
     per_sync = 4 * 2 * 3 / 4 * r["trainable_params"] * 4  # every rank: 2 (N - 1) / N of its fp32 shard (the model)
     assert r["counted_inter_node_bytes_per_step"] == pytest.approx(per_sync / 10, rel=0.01)
-    text = (root / "docs" / "DILOCO.md").read_text()
+    text = (root / "docs" / "diloco.md").read_text()
     assert f"{r['kernel_inter_node_bytes_per_step'] / 1e6:.2f} MB per step, counted/kernel {r['counted_vs_kernel']:.3f}" in text
     assert f"the exact defaults moved {rows['fcdp_node']['bytes_vs_bound']:.2f}x the bound" in text

@@ -109,7 +109,7 @@ def test_the_link_carries_one_fragment_at_a_time(streaming):
 
 def test_without_the_partition_write_the_nodes_differ_after_a_fragment_sync():
     """The broken variant: a completion sets the fp32 master but not the 16-bit partitions the forward uses."""
-    problems = fragment_sync_problems(_train(env={"FCDP_BREAK_DILOCO": "skip_reassign"}))
+    problems = fragment_sync_problems(_train(env={"FCDP_LAB_BREAK": "diloco.skip_reassign"}))
     assert any("partitions_after differs" in p for p in problems)
 
 
@@ -143,4 +143,4 @@ def test_strict_device_mode_orders_the_exchange_before_its_use():
     for overlap in (TAU, 0):
         assert fragment_sync_problems(_train(env=strict, compression="int8", overlap_steps=overlap)) == [], overlap
     with pytest.raises(RankFailure, match="StreamOrderError|not ordered after"):
-        _train(env={**strict, "FCDP_BREAK_DILOCO": "read_early"}, compression="int8", overlap_steps=0)
+        _train(env={**strict, "FCDP_LAB_BREAK": "diloco.read_early"}, compression="int8", overlap_steps=0)

@@ -64,7 +64,7 @@ def test_the_schedule_counts_from_the_warmups_end_and_the_outer_starts_there(war
 
 
 def test_the_broken_variant_without_the_average_fails():
-    res = _run(env={"FCDP_BREAK_DILOCO": "skip_warmup"})
+    res = _run(env={"FCDP_LAB_BREAK": "diloco.skip_warmup"})
     assert not _same_everywhere(res, 0)
 
 
@@ -108,15 +108,15 @@ def test_fcdp_plan_prints_the_warmups_bytes(tmp_path, capsys):
 
 
 def test_committed_warmup_runs_and_the_docs_quote_each_other():
-    """docs/converge_diloco_warmup_reference.json (the reference, 500 steps): DILOCO.md quotes every run's loss and
+    """docs/results/diloco/warmup-reference.json (the reference, 500 steps): diloco.md quotes every run's loss and
     ratio; the warm-up narrows the gap at each batch, and none reaches the issue's 2% (the README says so); the
-    engine's own W = 100 run (docs/converge_diloco_results.json) ends where the reference does."""
+    engine's own W = 100 run (docs/results/diloco/converge.json) ends where the reference does."""
     import json
     from pathlib import Path
     from fcdp_lab.converge import converge
     root = Path(__file__).resolve().parent.parent
-    data = json.loads((root / "docs" / "converge_diloco_warmup_reference.json").read_text())
-    doc, readme = (root / "docs" / "DILOCO.md").read_text(), (root / "README.md").read_text()
+    data = json.loads((root / "docs/results/diloco/warmup-reference.json").read_text())
+    doc, readme = (root / "docs" / "diloco.md").read_text(), (root / "README.md").read_text()
     exact = data["meta"]["exact_final_heldout_loss"]
     ratios = {}
     for rec in data["records"]:
@@ -128,7 +128,7 @@ def test_committed_warmup_runs_and_the_docs_quote_each_other():
         assert ratio > 1.02
     assert ratios[(8, 250)] < ratios[(8, 100)] < 1.1401 and ratios[(32, 250)] < ratios[(32, 100)] < 1.0448
     assert f"1.{round(ratios[(32, 250)] * 1000) % 1000:03d}x" in readme
-    engine = {r["setting"]: r for r in json.loads((root / "docs" / "converge_diloco_results.json").read_text())["records"]}
+    engine = {r["setting"]: r for r in json.loads((root / "docs/results/diloco/converge.json").read_text())["records"]}
     ref = next(r for r in data["records"] if (r["micro_batch"], r["diloco"]["warmup_steps"]) == (8, 100))
     assert abs(engine["diloco10_lr1_mom0_wu100"]["final_heldout_loss"] - ref["final_heldout_loss"]) < 1e-5
 

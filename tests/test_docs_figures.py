@@ -1,7 +1,7 @@
-"""The figures the README and docs/comparison.md quote are the committed runs' figures.
+"""The figures the README and docs/how-it-works.md (FCDP vs hpZ vs MiCS) quote are the committed runs' figures.
 
-README's first table is ``bash scripts/demo.sh`` (``python -m fcdp_lab demo --json docs/demo_results.json`` with the
-demo's defaults); docs/comparison.md quotes the committed emulated-cluster runs. A rerun that changes a
+README's first table is ``bash scripts/demo.sh`` (``python -m fcdp_lab demo --json docs/results/demo/demo.json`` with
+the demo's defaults); docs/how-it-works.md quotes the committed emulated-cluster runs. A rerun that changes a
 figure must change the committed JSON and the sentence together.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def readme_rows() -> dict[str, list[str]]:
 
 
 def test_readme_table_is_the_committed_demo_run():
-    run = json.loads((ROOT / "docs" / "demo_results.json").read_text())
+    run = json.loads((ROOT / "docs" / "results" / "demo" / "demo.json").read_text())
     assert {k: run[k] for k in demo_defaults()} == demo_defaults()  # what scripts/demo.sh runs
     by = {(r["job"], r["engine"]): r for r in run["rows"]}
     rows = readme_rows()
@@ -56,15 +56,15 @@ def test_readme_table_is_the_committed_demo_run():
 
 
 def test_comparison_page_quotes_the_committed_benchmarks():
-    page = (ROOT / "docs" / "comparison.md").read_text()
-    rows = json.loads((ROOT / "docs" / "bench_results.json").read_text())["rows"]
+    page = (ROOT / "docs" / "how-it-works.md").read_text()
+    rows = json.loads((ROOT / "docs" / "results" / "bench" / "rates.json").read_text())["rows"]
     at200 = {(r["job"], r["engine"]): r["kernel_inter_node_bytes_per_step"] / 1e6 for r in rows if r["rate_mbit"] == 200}
     full = next(line for line in page.splitlines() if line.startswith("| inter-node bytes per step, full fine-tune"))
     lora = next(line for line in page.splitlines() if line.startswith("| the same, LoRA"))
     assert f"{at200[('full', 'fcdp')]:.2f} MB | {at200[('full', 'hpz')]:.2f} MB" in full
     assert f"{at200[('lora', 'fcdp')]:.2f} MB | {at200[('lora', 'hpz')]:.2f} MB" in lora
     grad = {(r["job"], r["grad_accum"], r["engine"]): r
-            for r in json.loads((ROOT / "docs" / "bench_grad_results.json").read_text())["rows"]}
+            for r in json.loads((ROOT / "docs" / "results" / "bench" / "grad-modes.json").read_text())["rows"]}
     node, hpz = grad[("full", 4, "fcdp_node")], grad[("full", 4, "hpz")]
     ga4 = next(line for line in page.splitlines() if line.startswith("| full fine-tune, GA 4"))
     b, h = node["kernel_inter_node_bytes_per_step"], hpz["kernel_inter_node_bytes_per_step"]

@@ -1,6 +1,7 @@
-"""The docs as a reader follows them: every relative link in README.md and docs/*.md reaches a file (and its
-anchor, a heading's GitHub slug), and every ``--flag`` a doc writes after ``fcdp COMMAND`` is one that
-``fcdp COMMAND --help`` shows."""
+"""The docs as a reader follows them: every relative link in README.md and docs/**/*.md reaches a file (and its
+anchor, a heading's GitHub slug), every ``--flag`` a doc writes after ``fcdp COMMAND`` is one that
+``fcdp COMMAND --help`` shows, the pages are few and named alike, and none carries the lab's history (a dated
+work label or a reference to this project's issue tracker): a page says what is, the CHANGELOG what changed."""
 from __future__ import annotations
 
 import re
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -52,7 +53,7 @@ def broken_links(path: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(doc):
     assert broken_links(doc) == []
 
@@ -89,3 +90,34 @@ def test_every_documented_flag_is_in_the_commands_help(capsys):
         if flags - shown:
             missing[command] = sorted(flags - shown)
     assert not missing, missing
+
+
+#: History in a page: a dated label (``2026-12-04b``, ``on 2026-12-04 15:14 UTC``), this project's issue numbers
+#: (``issue 33``, ``issues 23 and 31``, a bare ``#12``), a work session. Upstream references stay allowed when they
+#: name their project (``DeepSpeed#4886``, ``pytorch#135712``) or link the tracker's URL.
+HISTORY = re.compile(r"\b20\d\d-\d\d-\d\d|\bissues? \d+|(?<![\w/])#\d+\b|\bsession\s+[0-9a-z]*\d", re.I)
+
+
+def history(text: str) -> list[str]:
+    text = re.sub(r"\]\([^)]*\)", "]()", text)  # link targets are paths and URLs, not prose
+    return [m.group(0) for m in HISTORY.finditer(text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_carries_dates_or_issue_numbers(doc):
+    assert history(doc.read_text()) == []
+
+
+def test_the_history_check_finds_history():
+    bad = ("measured on 2026-12-04 15:14 UTC", "(issue 26)", "issues 23 and 31", "see #12", "session 2026-12-04b",
+           "session 4")
+    assert [bool(history(t)) for t in bad] == [True] * len(bad)
+    good = ("DeepSpeed#4886", "[pytorch#135712](https://github.com/pytorch/pytorch/issues/135712)",
+            "[run](results/gpu/h200-run1.json)", "a session of training", "the issue tracker")
+    assert [history(t) for t in good] == [[]] * len(good)
+
+
+def test_the_docs_are_a_few_pages_named_alike():
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    assert len(pages) <= 15, [p.name for p in pages]
+    assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*\.md", p.name) for p in pages), [p.name for p in pages]

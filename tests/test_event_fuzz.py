@@ -1,4 +1,4 @@
-"""Random event sequences against ZeRO-3 (issue 25 item 3): a hypothesis state machine drives one set of
+"""Random event sequences against ZeRO-3: a hypothesis state machine drives one set of
 2 x 2 ranks (``fcdp_lab/fuzz``) through training with random accumulation lengths, eval,
 activation checkpointing, ``GatheredParameters`` writes, HF-style state-dict loads and embedding resizes,
 requires_grad flips, learning-rate changes, checkpoints into the same and fresh engines (and saves, 16-bit
@@ -7,7 +7,8 @@ consolidations and loads inside an accumulation window) and placement switches. 
 tolerance, and every cached slice current.
 
 One rank server (one 4-rank launch) runs everything here: the CI sequences, then each deliberately broken
-invalidation (``FCDP_BREAK_INVALIDATION``), which the same state machine must find and shrink.
+invalidation (an ``invalidation.*`` variant of ``fcdp_lab/sabotage/params.py``), which the same state machine must
+find and shrink.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from conftest import TESTS_DIR
 
 hypothesis = pytest.importorskip("hypothesis")
 
-from fcdp_deepspeed import faults  # noqa: E402
+from fcdp_lab.sabotage import params as sabotage  # noqa: E402
 from fcdp_lab.fuzz.driver import RankServer  # noqa: E402
 from fcdp_lab.fuzz.events import EVENTS  # noqa: E402
 from fcdp_lab.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402
@@ -36,9 +37,9 @@ FAULT_SEQUENCES, FAULT_STEPS, SHRINK_SECONDS = 25, 10, 8.0
 #: only those), so only both together leave a stale slice; ``requires_grad`` covers parameters that require
 #: grad but the optimizer does not own, whose values no step changes (docs/reliability.md).
 OBSERVABLE = {
-    "refresh": ("gathered_write", "hf_load"),
-    "checkpoint": ("load", "train"),  # train: a load inside its window (inside='load')
-    "optimizer_write,step_end": ("train",),
+    "invalidation.refresh": ("gathered_write", "hf_load"),
+    "invalidation.checkpoint": ("load", "train"),  # train: a load inside its window (inside='load')
+    "invalidation.optimizer_write,invalidation.step_end": ("train",),
 }
 
 
@@ -61,7 +62,7 @@ def test_random_event_sequences_match_zero3(rank_server):
 def test_without_any_invalidation_listener_every_output_is_still_zero3_s(rank_server):
     """Every invalidation listener deleted at once: each copy found older than its partition is dropped at use and
     refetched ([Note: freshness by construction] in ``storage/freshness.py``), so the CI sequences stay exact."""
-    listeners = ",".join(sorted({f for fault in OBSERVABLE for f in fault.split(",")} | {"requires_grad"}))
+    listeners = ",".join(sorted({f for fault in OBSERVABLE for f in fault.split(",")} | {"invalidation.requires_grad"}))
     result = search(rank_server, engines=EXACT_ENGINES, faults=listeners, max_examples=CI_SEQUENCES,
                     steps=CI_STEPS, seed=CI_SEED, shrink_seconds=SHRINK_SECONDS)
     print(result.report(), result.coverage)
@@ -75,20 +76,20 @@ def test_a_broken_invalidation_is_found_and_shrunk(rank_server, fault):
     result = search(rank_server, engines=EXACT_ENGINES, faults=f"{fault},unchecked", max_examples=FAULT_SEQUENCES,
                     steps=FAULT_STEPS, seed=CI_SEED, shrink_seconds=SHRINK_SECONDS)
     print(result.report())
-    assert result.failure is not None, f"FCDP_BREAK_INVALIDATION={fault} went unnoticed: {result.report()}"
+    assert result.failure is not None, f"FCDP_LAB_BREAK={fault} went unnoticed: {result.report()}"
     assert "STALE cache entry" in result.failure, result.report()
     culprit = result.program[-1].partition("(")[0]
     assert culprit in OBSERVABLE[fault], result.report()
-    if fault == "checkpoint" and culprit == "train":
+    if fault == "invalidation.checkpoint" and culprit == "train":
         assert "inside='load'" in result.program[-1], result.report()
     assert result.program[0].startswith("begin(") and len(result.program) <= FAULT_STEPS + 1
 
 
 def test_a_checkpoint_that_drops_the_window_is_found_and_shrunk(rank_server):
-    """``FCDP_BREAK_INVALIDATION=checkpoint_window``: the checkpoint epilogue before issue 33's fix, which dropped the
-    node buffer's partial window sums at a save, 16-bit consolidation or load inside a window. The CI search's
-    own budget (the same seeded sequences) finds it, against FCDP with the default gradient modes."""
-    result = search(rank_server, engines=("zero3", "fcdp_defaults"), faults="checkpoint_window",
+    """``invalidation.checkpoint_window``: a checkpoint epilogue that drops the node buffer's partial window sums at a
+    save, 16-bit consolidation or load inside a window. The CI search's own budget (the same seeded sequences) finds
+    it, against FCDP with the default gradient modes."""
+    result = search(rank_server, engines=("zero3", "fcdp_defaults"), faults="invalidation.checkpoint_window",
                     max_examples=CI_SEQUENCES, steps=CI_STEPS, seed=WINDOW_SEED, shrink_seconds=SHRINK_SECONDS)
     print(result.report())
     assert result.failure is not None, f"the dropped window went unnoticed: {result.report()}"
@@ -96,14 +97,18 @@ def test_a_checkpoint_that_drops_the_window_is_found_and_shrunk(rank_server):
     assert result.program[-1].startswith("train(") and "inside=" in result.program[-1], result.report()
 
 
-def test_break_switch_names_are_checked(monkeypatch):
-    monkeypatch.setenv(faults.BREAK_ENV, "checkpoint, refresh")
-    assert faults.invalidation_broken("refresh") and not faults.invalidation_broken("step_end")
-    monkeypatch.setenv(faults.BREAK_ENV, "chekpoint")
-    with pytest.raises(ValueError, match="FCDP_BREAK_INVALIDATION: unknown"):
-        faults.invalidation_broken("checkpoint")
-    monkeypatch.delenv(faults.BREAK_ENV)
-    assert not faults.invalidation_broken("checkpoint")
+def test_broken_variant_names_are_checked_and_undone():
+    """A misspelt variant must not pass as the working one; one applied for a sequence is gone after it."""
+    from fcdp_deepspeed.runtime.invalidation import Invalidation
+    from fcdp_deepspeed.storage.cache import NodeCache
+    flush, fill = Invalidation.flush, NodeCache._fill
+    restore = sabotage.apply("invalidation.checkpoint, invalidation.refresh")
+    assert Invalidation.flush.__wrapped__ is flush and NodeCache._fill.__wrapped__ is fill
+    restore()
+    assert Invalidation.flush is flush and NodeCache._fill is fill
+    with pytest.raises(ValueError, match="unknown broken variant"):
+        sabotage.apply("invalidation.chekpoint")
+    assert Invalidation.flush is flush
 
 
 def test_soak_rewrites_only_the_table_block(tmp_path):

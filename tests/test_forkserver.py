@@ -53,3 +53,15 @@ def test_a_failing_rank_is_reported_with_its_exit_code_and_log(mode, how, code, 
         run_local(worker_target("launch:fail_on_rank"), 2, {"rank": 1, "how": how}, timeout=240,
                   pythonpath=[TESTS_DIR], env={forkserver.FORKSERVER_ENV: MODES[mode]})
     assert "ranks [1] failed" in str(err.value) and f"exit {code}" in str(err.value) and text in str(err.value)
+
+
+def test_a_broken_variant_named_for_one_run_does_not_reach_the_next():
+    """``FCDP_LAB_BREAK`` goes to each forked rank, never to its server (``fcdp_lab/startup.py`` would patch the
+    server, and every rank it forks later would inherit the patch): one server serves a run with a variant and the
+    next run without one, and only the first run's ranks are patched."""
+    assert "FCDP_LAB_BREAK" in forkserver.PER_RANK
+    broken = _run("common:lab_variants", "forked", FCDP_LAB_BREAK="push.skip_invalidation")
+    clean = _run("common:lab_variants", "forked")
+    assert all(r["patched"] and r["named"] == "push.skip_invalidation" for r in broken), broken
+    assert not any(r["patched"] or r["named"] for r in clean), clean
+    assert len({r["ppid"] for r in broken + clean}) == 1, (broken, clean)  # the same server forked both runs

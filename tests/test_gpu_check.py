@@ -208,17 +208,17 @@ def test_bundle_lists_deepspeeds_and_this_packages_requirements():
     assert needed - listed == set(), needed - listed
 
 
-# -- the first GPU runs (docs/gpu-runs/h200-2026-12-04-run{1,2,3}.json; docs/GPU-check.md "GPU status") --
+# -- the first GPU runs (docs/results/gpu/h200-run{1,2,3}.json; docs/gpu.md "GPU status") --
 
 def _gpu_run(n: int) -> dict:
     import json
     from pathlib import Path
-    return json.loads((Path(__file__).resolve().parent.parent / "docs" / "gpu-runs"
-                       / f"h200-2026-12-04-run{n}.json").read_text())
+    return json.loads((Path(__file__).resolve().parent.parent / "docs" / "results" / "gpu"
+                       / f"h200-run{n}.json").read_text())
 
 
 def test_committed_h200_runs():
-    """What the H200 printed, as GPU-check.md states it: the first run's two-sided memory check failed on FCDP using
+    """What the H200 printed, as gpu.md states it: the first run's two-sided memory check failed on FCDP using
     2.0 GB *less* than ZeRO-3 (DeepSpeed's 5e8-element bucket buffer, shrunk by FCDP); the third run (the checks
     split, auto's third of DeepSpeed's bucket, the freed bucket handed back) passes the user's claim and the
     large-model regime, and records FCDP's extra over ZeRO-3 with the same bucket (1.16 buckets allocated) and its

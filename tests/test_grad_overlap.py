@@ -6,8 +6,8 @@ bucket-sized work] in ``engine/grad_steps.py``), so the overlapped path is bit-i
 one bucket, each stage waited for where it is issued) under node and per-rank accumulation, with a block that gets no
 gradient in the boundary micro-step (the flush) and with reentrant checkpointing (several epilogues per backward);
 ``grad_reduce: flat`` keeps DeepSpeed's buckets and stays bit-identical to ZeRO-3. The window's first bucket leaves
-early and issues its stage 2 at once (grads/staging.py, engine/grad_steps.py): covered by the same identities. Broken variants
-(``FCDP_BREAK_GRADS``): reading a stage's result before it completed, and a backward's end that does not deliver
+early and issues its stage 2 at once (grads/reducer.py, engine/grad_steps.py): covered by the same identities. Broken variants
+(``fcdp_lab/sabotage/grads.py``): reading a stage's result before it completed, and a backward's end that does not deliver
 what is in flight, each change the values. The stream-order model's variant is in test_device_discipline.py.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_auto_bucket_cap():
 
 
 # -- the committed run (docs/bench_grad_overlap_ga{1,4}_results.json): before = fcdp_node_syncgrad, after = fcdp_node --
-BENCH_RUNS = ("bench_grad_overlap_ga1_results.json", "bench_grad_overlap_ga4_results.json")
+BENCH_RUNS = ("results/bench/grad-overlap-ga1.json", "results/bench/grad-overlap-ga4.json")
 
 
 def _bench_rows(name: str) -> dict:

@@ -2,7 +2,7 @@
 node accumulation that follows the accumulation steps set after ``deepspeed.initialize``.
 
 Tolerances are test_grads.py's: the gradient modes reorder the sums, so FCDP is compared with ZeRO-3
-within RTOL (measured in docs/gradient-defaults.md), explicit flat/rank bit for bit.
+within RTOL (measured in docs/how-it-works.md), explicit flat/rank bit for bit.
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_broken_plans_fail_the_bound(break_kind, mode):
 # to bf16 once more per micro-step (hierarchical: the node sum sent across nodes) or once per window (node
 # accumulation). So neither mode rounds more often than ZeRO-3 and the same FACTOR applies. Measured
 # (2 nodes x 2, max |error| / max |gradient|): ZeRO-3 4.5e-3 to 6.5e-3, hierarchical 3.6e-3 to 6.5e-3, node
-# 3.6e-3 to 6.5e-3 (docs/GPU.md, "Precision in bf16"). ZeRO-3 itself stays within 4 bf16 unit roundoffs
+# 3.6e-3 to 6.5e-3 (docs/gpu.md, "Precision in bf16"). ZeRO-3 itself stays within 4 bf16 unit roundoffs
 # (2^-8) of the largest gradient; a broken plan is off by the gradient's own magnitude.
 BF16_ROUNDOFF = 2.0**-8
 BF16_ERROR_SCENARIOS = [dict(name="ga4", modes=MODES, grad_accum=4, steps=2)]
@@ -125,9 +125,9 @@ def test_bf16_bound_fails_for_a_broken_plan():
 
 def test_nccl_branch_reduce_scatter_within_zero3_error_2x2():
     """NCCL's branch of the two stages (``reduce_scatter_tensor``; on gloo FCDP takes all-to-all + an fp32 sum, so
-    above one rank it runs only here, forced by ``FCDP_FORCE_REDUCE_SCATTER=1``), through ``deepspeed.initialize``:
+    above one rank it runs only here, forced by the lab's ``grads.reduce_scatter``), through ``deepspeed.initialize``:
     fp32 within ZeRO-3's error, and in bf16, where the reduce-scatter sums bf16 inputs in bf16 (as NCCL does,
-    ZeRO-3's own path too), within the bf16 bound. Measured numbers: docs/GPU.md, "Precision in bf16"."""
+    ZeRO-3's own path too), within the bf16 bound. Measured numbers: docs/gpu.md, "Precision in bf16"."""
     per_rank = run_ranks("grads:forced_reduce_scatter", 4, timeout=900, scenarios=[ERROR_SCENARIOS[1]],
                          bf16_scenarios=BF16_ERROR_SCENARIOS, ranks_per_node=2)
     for r in per_rank:

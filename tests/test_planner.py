@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -130,10 +131,10 @@ def check_losses_match(rows: list[dict]) -> None:
             assert row["losses"] == ref["losses"], (row["job"], row["engine"], row["rate_mbit"], row["grad_accum"])
 
 
-@pytest.mark.parametrize("name", ["bench_results.json", "bench_grad_results.json", "bench_gather_2x2_results.json",
-                                  "bench_gather_2x4_results.json", "bench_gather_2x4_flat_results.json",
-                                  "bench_defaults_lora10_results.json", "bench_defaults_lora10_r8_results.json",
-                                  "bench_defaults_full100_results.json", "bench_defaults_lora10_repeat_results.json"])
+@pytest.mark.parametrize("name", ["results/bench/rates.json", "results/bench/grad-modes.json", "results/bench/gather-2x2.json",
+                                  "results/bench/gather-2x4.json", "results/bench/gather-2x4-flat.json",
+                                  "results/bench/defaults-lora-10mbit.json", "results/bench/defaults-lora-10mbit-r8.json",
+                                  "results/bench/defaults-full-100mbit.json", "results/bench/defaults-lora-10mbit-repeat.json"])
 def test_committed_benchmark_run_matches_planner(name):
     path = ROOT / "docs" / name
     if not path.exists():
@@ -145,9 +146,9 @@ def test_committed_benchmark_run_matches_planner(name):
 
 def test_committed_gradient_run_covers_every_engine_and_job():
     """The full emulated-cluster sweep (every engine, both jobs, planner within 10%) lives in the committed
-    run (``docs/bench_grad_results.json``, made by ``python -m fcdp_lab.bench``); the live
+    run (``docs/results/bench/grad-modes.json``, made by ``python -m fcdp_lab.bench``); the live
     test below repeats a small slice of it."""
-    rows = json.loads((ROOT / "docs" / "bench_grad_results.json").read_text())["rows"]
+    rows = json.loads((ROOT / "docs/results/bench/grad-modes.json").read_text())["rows"]
     assert {(r["job"], r["engine"]) for r in rows} == {(j, e) for j in ("full", "lora") for e in ENGINES}
 
 
@@ -171,3 +172,21 @@ def test_planner_within_10_percent_of_emulated_cluster(tmp_path):
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.csv").exists()
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
     assert meta["started_utc"] < meta["finished_utc"] and meta["started_utc"].endswith(" UTC")  # the run's span
+
+
+def test_the_planners_wire_bytes_are_the_codecs():
+    """``fcdp plan`` sizes messages without torch: the same bytes as the codec's ``wire_numel``."""
+    from fcdp_deepspeed.compress import wire_bytes as codec_wire_bytes
+    from fcdp_deepspeed.tools.plan.compression import wire_bytes
+    for codec in ("off", "int8", "int4", "bf16"):
+        for numel in (1, 127, 128, 129, 1000, 263_939):
+            for block in (8, 64, 128, 256):
+                assert wire_bytes(codec, numel, block, 2) == codec_wire_bytes(codec, numel, block, 2), (codec, numel)
+
+
+def test_residual_bytes_are_two_fp32_slots_of_the_sent_rows():
+    """The measured 2 x 2 int8 run (1,055,754 fp32 parameters): 2,111,512 bytes of residuals on rank 0."""
+    from fcdp_deepspeed.tools.plan.compression import residual_bytes_per_rank
+    assert residual_bytes_per_rank(2, 2, [1_055_754]) == 2 * 4 * 1 * math.ceil(1_055_754 / 4) == 2_111_512
+    assert residual_bytes_per_rank(4, 8, [1000, 33]) == 2 * 4 * 3 * (math.ceil(1000 / 32) + math.ceil(33 / 32))
+    assert residual_bytes_per_rank(1, 8, [1000]) == residual_bytes_per_rank(2, 1, [1000]) == 0

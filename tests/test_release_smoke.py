@@ -174,7 +174,7 @@ def test_pinning_takes_the_release_allocator():
     ``accelerator.pin_empty``, else torch's pinned ``torch.empty`` (0.16-0.19.6's accelerators lack
     ``pin_empty``: before the fallback, every default config died at build on CUDA with AttributeError)."""
     from deepspeed.accelerator import get_accelerator
-    from fcdp_deepspeed.compress import residual
+    from fcdp_deepspeed.grads import residual
     from fcdp_deepspeed.machine import device
     from fcdp_deepspeed.storage.cache import Placement, SlotPool
     has = callable(getattr(get_accelerator(), "pin_empty", None))

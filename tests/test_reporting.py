@@ -72,3 +72,28 @@ def test_one_set_of_names_for_the_monitor_and_hf_logs():
     names = [name for name, _, _ in monitor_events(s, 3)]
     assert names == [f"fcdp/{k}" for k in REPORTED_KEYS] and set(names) == set(stats_for_logs(s))
     assert dict(stats_for_logs(s))["fcdp/host_slot_bytes"] == 5 * 2**20
+
+
+def test_a_zero_hit_rate_names_the_deepspeed_settings_that_caused_it():
+    """Every lookup a miss (DeepSpeed kept the parameters gathered from forward to backward): the line says why and
+    names stage3_max_reuse_distance / stage3_prefetch_bucket_size; any hit, or no lookup, says nothing more."""
+    none_served = {**stats(10, 10), "cache_hits": 0}
+    line = format_stats_line(none_served)
+    assert "cache hit rate 0.0% (the cache served nothing" in line
+    assert "stage3_max_reuse_distance" in line and "stage3_prefetch_bucket_size" in line
+    assert "stage3_max_reuse_distance" not in format_stats_line(stats(10, 10))
+    assert "stage3_max_reuse_distance" not in format_stats_line(stats(11, 0), previous=stats(10, 0))
+
+
+def test_engine_line_with_nothing_cached_says_the_gradients_still_take_fcdps_path():
+    """Every parameter below fcdp.min_numel: the cache holds nothing, but the gradient modes still run; the line
+    must not read as plain ZeRO-3."""
+    runtime = _runtime(FCDPConfig(enabled=True, min_numel=10**9))
+    for e in runtime.cache.entries.values():
+        e.state = EntryState.DISABLED
+    line = engine_line(runtime, SimpleNamespace(grad_reduce="hierarchical", grad_accumulation="node"))
+    assert "the cache holds no parameter" in line and "plain ZeRO-3" not in line
+    assert "grad_reduce hierarchical, grad_accumulation node (gradients reduced in two stages" in line
+    assert "accumulated in the node buffer" in line
+    flat = engine_line(runtime, SimpleNamespace(grad_reduce="flat", grad_accumulation="rank"))
+    assert "grad_reduce flat, grad_accumulation rank (DeepSpeed's gradient path)" in flat

@@ -14,7 +14,8 @@ from conftest import run_ranks
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        return run_ranks("runahead:variants", 4, ckpt_dir=ckpt_dir)
+        # rank 2 pushes 0.3 s late (skew): a read before completion would show
+        return run_ranks("runahead:variants", 4, ckpt_dir=ckpt_dir, env={"FCDP_LAB_BREAK": "push.delay@2=0.3"})
 
 
 def test_runahead_bit_identical_to_zero3_and_used(results):

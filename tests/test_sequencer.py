@@ -10,7 +10,8 @@ from conftest import run_ranks
 
 @pytest.fixture(scope="module")
 def late():
-    return run_ranks("sequencer:late_peer", 4, timeout=600)
+    # rank 2 issues every stage 1 0.2 s late (skew): a read before completion would show
+    return run_ranks("sequencer:late_peer", 4, timeout=600, env={"FCDP_LAB_BREAK": "gather.delay@2=0.2"})
 
 
 def test_waits_in_per_rank_order_issue_stage_two_in_fifo_order():

@@ -15,7 +15,7 @@ import deepspeed  # noqa: E402
 import deepspeed.runtime.engine as _engine_module  # noqa: E402
 import deepspeed.runtime.zero.stage3 as _stage3_module  # noqa: E402
 
-from fcdp_deepspeed.activation import excepthook  # noqa: E402
+from fcdp_deepspeed.activation import excepthook, shm_hint  # noqa: E402
 from fcdp_deepspeed.diloco import files as diloco_files  # noqa: E402
 from fcdp_deepspeed.engine.config_check import FCDPCheckedConfig, check_zero_init  # noqa: E402
 from fcdp_deepspeed.engine.stage3 import CountedStage3, CountedZeROOffload  # noqa: E402
@@ -51,6 +51,7 @@ def install() -> None:
     diloco_files.install()  # fcdp.diloco: every node's checkpoint files (inert for other engines)
     check_zero_init(True)  # zero.Init(config_dict_or_path=...): a misplaced or misspelled block, with the fix
     excepthook.install()  # an uncaught config error: one line per rank, not a traceback each
+    shm_hint.hint_first_build()  # the CPU accelerator's first comm-op build: say why the job is quiet
 
 
 def uninstall() -> None:

@@ -1,11 +1,12 @@
-"""Opt-in lossy compression of the slow inter-node hop only (``fcdp.param_compression``,
-``fcdp.grad_compression``).
+"""The codec of the opt-in lossy compression of the slow inter-node hop (``fcdp.param_compression``,
+``fcdp.grad_compression``), and the checkpoint envelope the compressed paths save into.
 
-One concern per module: ``quant.py`` (the blockwise codec: quantize/dequantize with torch ops on the
-accelerator, the wire format, the test-only codecs); the parameter path: ``reference.py`` (the reference
-store every node holds, its states and checkpoint part) and ``params.py`` (the compressed stage 1 of the
-two-stage gather, the drift); ``state.py`` (the checkpoint envelope both paths save into). The gradient
-path (error-feedback residuals) builds on the same codec.
+A leaf: ``quant.py`` (the blockwise codec: quantize/dequantize with torch ops on the accelerator, the wire
+format, the test-only codecs), ``native.py`` + ``native_codec.c`` (the same codec as a fused C kernel for CPU
+tensors), ``state.py`` (the ``fcdp_compression`` envelope each path registers its part in). The paths that apply
+the codec live with the data they move, so each path's walk stays in its own room: the parameter path's
+compressed stage 1 and references in ``runtime/compressed_gather.py`` and ``runtime/compression_reference.py``,
+the gradient path's compressed inter-node stage and residuals in ``grads/compressed.py`` and ``grads/residual.py``.
 
 [Note: what stays exact] Only the inter-node stage of the two-stage parameter gather and of the
 hierarchical gradient reduce-scatter is compressed; intra-node stages, optimizer master weights,

@@ -5,7 +5,7 @@ through ``ctypes`` (``FCDP_CODEC_KERNEL``: ``auto``, the default, ``torch`` or `
 int4 encode (the guard's absmax, a transposing copy, seven butterfly stages, two scalings, the quantization's five),
 each a separate read and write of the bucket. On an accelerator they are cheap, asynchronous kernels; on a CPU
 device they are the whole cost of the codec, on the host, inside every compressed stage (the emulator's int4
-engine spent 1.37-1.47x the exact engine's compute with them, 1.21-1.23x with this kernel: docs/BENCHMARKS.md,
+engine spent 1.37-1.47x the exact engine's compute with them, 1.21-1.23x with this kernel: docs/benchmarks.md,
 "The fused CPU codec"). The C kernel computes the same fp32 operations
 on the same operands in the same order, a tile of blocks at a time in L1 (one pass in, one out), so its bytes and
 decoded bits are the torch ops' bits: every rank decodes the same values whichever of the two it runs, and a
@@ -102,7 +102,7 @@ def _compiler() -> Optional[str]:
 
 def build(source: Path = SOURCE, extra: tuple[str, ...] = (), directory: Optional[Path] = None) -> Path:
     """The cached library for ``source`` ([Note: building the kernel]); raises ``RuntimeError`` if it cannot be
-    built. ``extra`` flags are part of the cache key (the tests build broken variants with them)."""
+    built. The source text and ``extra`` flags are part of the cache key (a test builds edited copies of the source)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang; or $CC) on PATH")

@@ -70,17 +70,9 @@ static float absmax_run(const float *x, int64_t w) {
 /* The code of one value: v / safe, clamped (before rounding: the same integers, NaN kept), rounded half to even,
  * NaN -> 0 (quant.BlockCodec.encode_rows: div, round_, clamp_, nan_to_num_). */
 static inline float code(float v, float safe, float q) {
-#ifdef FCDP_BREAK_SCALE /* a test's broken variant: a reciprocal multiplication is not a division */
-    v = v * (1.0f / safe);
-#else
     v = v / safe;
-#endif
     v = v < -q ? -q : (v > q ? q : v);
-#ifdef FCDP_BREAK_ROUND /* a test's broken variant: ties away from zero */
-    v = v < 0.0f ? -floorf(-v + 0.5f) : floorf(v + 0.5f);
-#else
     v = (v + MAGIC) - MAGIC;
-#endif
     return v != v ? 0.0f : v;
 }
 

@@ -2,7 +2,7 @@
 
 [Note: the envelope]
 What compression keeps between steps is optimizer state: the parameter references
-(``compress/reference.py``) and the gradient residuals are part of where training is, so a run saved
+(``runtime/compression_reference.py``) and the gradient residuals are part of where training is, so a run saved
 and resumed must get them back to continue bit for bit. Each rank saves its own part in its own
 optimizer state file (``FCDPStage3.state_dict``), under one key::
 

@@ -148,27 +148,7 @@ def _size_string_to_bytes(value: Any, info: Any) -> Any:
     return value
 
 
-class GradStageFields(DiLoCoField):
-    """The base of ``FCDPConfig`` that holds the keys of the overlap with compute (issue 31): the gradient stages
-    behind the backward and the parameters' run-ahead."""
-
-    grad_bucket_size: Annotated[Any, BeforeValidator(_grad_bucket_size)] = "auto"
-    """Cap (elements) on DeepSpeed's ``reduce_bucket_size`` with the hierarchical reduce; ``auto``: ~8 buckets, ``0``:
-    DeepSpeed's ([Note: bucket-sized work] in ``engine/grad_steps.py``)."""
-    grad_inflight_buckets: int = Field(4, ge=0, strict=True)
-    """Gradient stages left in flight behind the backward; ``0``: synchronous ([Note: the inter-node stage runs
-    behind the backward] in ``grads/inflight.py``)."""
-    param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
-    """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
-    stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
-    ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
-    param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
-    param_runahead_streams: bool = False
-    """On an accelerator with streams (NCCL): run ahead too, stage 1 into pinned host memory, every stage 1 on FCDP's
-    stage-1 stream (runtime/staged.py, [Note: the run-ahead on streams]); opt-in: not yet measured on a GPU."""
-
-
-class FCDPConfig(GradStageFields):
+class FCDPConfig(DiLoCoField):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
     enabled: bool = False
@@ -214,13 +194,20 @@ class FCDPConfig(GradStageFields):
     ZeRO-3). ``hierarchical``: reduce inside the node, then across nodes among node peers only, so
     each node uplink carries (N-1)/N of the gradient once; the summation order differs from ZeRO-3.
     ``auto``: ``hierarchical`` wherever there are N > 1 nodes of L > 1 ranks, else ``flat``
-    (docs/gradient-defaults.md)."""
+    (docs/how-it-works.md)."""
 
     grad_accumulation: Literal["auto", "rank", "node"] = "auto"
     """``rank``: DeepSpeed's per-rank accumulation (every micro-step crosses nodes). ``node``: micro-steps
     before the accumulation boundary reduce inside the node into a node-shard buffer; the inter-node
     stage runs once per optimizer step. Implies ``grad_reduce: hierarchical``. ``auto``: ``node``
     wherever the reduction is hierarchical and the whole buffer fits ``grad_buffer_budget``, else ``rank``."""
+
+    grad_bucket_size: Annotated[Any, BeforeValidator(_grad_bucket_size)] = "auto"
+    """Cap (elements) on DeepSpeed's ``reduce_bucket_size`` with the hierarchical reduce; ``auto``: ~8 buckets, ``0``:
+    DeepSpeed's ([Note: bucket-sized work] in ``engine/grad_steps.py``)."""
+    grad_inflight_buckets: int = Field(4, ge=0, strict=True)
+    """Gradient stages left in flight behind the backward; ``0``: synchronous ([Note: the inter-node stage runs
+    behind the backward] in ``grads/inflight.py``)."""
 
     grad_buffer_device: Literal["host", "device"] = "host"
     """Where the ``node`` accumulation buffer (1/L of the trainable parameters per rank, fp32) lives:
@@ -239,18 +226,27 @@ class FCDPConfig(GradStageFields):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
+    param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
+    """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
+    stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
+    ``0`` turns it off (runtime/runahead.py, [Note: from the window's first fetch])."""
+    param_push_bytes: int = Field(0, ge=0)  # opt-in (0: off); docs/configuration.md; runtime/runahead.py
+    param_runahead_streams: bool = False
+    """On an accelerator with streams (NCCL): run ahead too, stage 1 into pinned host memory, every stage 1 on FCDP's
+    stage-1 stream (runtime/staged.py, [Note: the run-ahead on streams]); opt-in: not yet measured on a GPU."""
+
     miss_batch_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(32 * 2**20, ge=0, json_schema_extra={"sizes": True})
     """With the hierarchical gather: when every stale cached parameter together is at most this many
     bytes (full size; after an optimizer step, e.g. LoRA adapters), the first miss gathers all of them
     in one collective instead of one per module, and later fetches are hits. Costs that many bytes of
-    accelerator memory for the time of the gather. ``0`` turns it off (docs/PARAM_GATHER.md)."""
+    accelerator memory for the time of the gather. ``0`` turns it off (docs/how-it-works.md)."""
 
     param_compression: Literal["off", "int8", "int4"] = "off"
-    """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/COMPRESSION.md)."""
+    """**Lossy.** Changed parameters cross nodes as quantized deltas against a node-held reference (docs/compression.md)."""
     param_refresh_interval: int = Field(100, ge=0)
     """With ``param_compression``: optimizer steps between exact refreshes of every reference (``0``: never)."""
     grad_compression: Literal["off", "int8", "int4"] = "off"
-    """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/COMPRESSION.md)."""
+    """**Lossy.** Inter-node gradient sums cross quantized, with error feedback (docs/compression.md)."""
     compression_block: int = Field(DEFAULT_BLOCK, ge=MIN_BLOCK, le=MAX_BLOCK, multiple_of=2, strict=True)
     """Elements per fp32 scale of a compressed inter-node message (even, for int4's packing; a power of two with
     ``grad_compression: int4`` or ``diloco.compression: int4``, whose blocks are rotated). [Note: strict] A JSON

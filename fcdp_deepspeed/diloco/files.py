@@ -41,16 +41,13 @@ from typing import Any, Callable
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 _ORIGINAL: dict[str, Callable] = {}
-#: Test-only: ``FCDP_BREAK_DILOCO=node_files`` leaves DeepSpeed's file ownership (node 0 writes, every node reads
-#: node 0's), the variant ``tests/test_diloco.py`` must catch (a resume mid-interval is then not exact).
-BREAK_ENV = "FCDP_BREAK_DILOCO"
 #: The sub-directory of a tag holding node ``n > 0``'s files.
 NODE_DIR = "fcdp_diloco_node{node}"
 
 
 def _node_index(engine: Any) -> int | None:
     sync = getattr(getattr(engine, "optimizer", None), "fcdp_diloco", None)
-    if sync is None or "node_files" in os.environ.get(BREAK_ENV, ""):
+    if sync is None:
         return None
     return int(sync.layout["node"])
 
@@ -128,7 +125,7 @@ def dp_size_problem(saved: int | None, now: int, tag_dir: str) -> str | None:
 def _load_checkpoint(original: Callable) -> Callable:
     @functools.wraps(original)
     def wrapped(self, load_dir, tag, *args, **kwargs):
-        if not self.load_universal_checkpoint() and "node_files" not in os.environ.get(BREAK_ENV, ""):
+        if not self.load_universal_checkpoint():
             diloco, tag_dir = getattr(getattr(self, "optimizer", None), "fcdp_diloco", None) is not None, \
                 os.path.join(load_dir, str(tag))
             problem = cross_mode_problem(diloco, tag_dir)

@@ -32,7 +32,6 @@ waits for an exchange in flight: only the completion's ``wait()`` orders the pee
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -47,17 +46,6 @@ from fcdp_deepspeed.diloco.layout import mask_padding_
 from fcdp_deepspeed.diloco.outer import OuterState, outer_step_
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.storage import freshness
-
-
-#: Test-only: ``FCDP_BREAK_DILOCO`` names broken variants the tests must catch: ``read_early`` (a completion reads
-#: the peers' messages without waiting for the exchange), ``skip_reassign`` (a completion leaves the 16-bit
-#: partitions as they were), ``node_files`` (``diloco/files.py``), ``skip_warmup`` (a warm-up step leaves each node's
-#: gradients unaveraged: ``engine/diloco_steps.py``).
-BREAK_ENV = "FCDP_BREAK_DILOCO"
-
-
-def broken(name: str) -> bool:
-    return name in os.environ.get(BREAK_ENV, "").split(",")
 
 
 def _on_accel(host: torch.Tensor) -> torch.Tensor:
@@ -161,7 +149,7 @@ class DiLoCoSync:
         squares[0] += pending.drift_sq
         pieces = self.fragments[pending.fragment]
         for piece, flight in zip(pieces, pending.flights):
-            mean = self.exchange.finish(flight, wait=not broken("read_early"))
+            mean = self.exchange.finish(flight)
             outer_host, momentum_host = _piece(self.outer.params[piece.group], piece), \
                 _piece(self.outer.momentum[piece.group], piece)
             outer, momentum = _on_accel(outer_host), _on_accel(momentum_host)
@@ -170,10 +158,7 @@ class DiLoCoSync:
             _write(_piece(optimizer.fp32_partitioned_groups_flat[piece.group], piece), outer)
             device.to_host(outer, out=outer_host)
             device.to_host(momentum, out=momentum_host)
-        if not broken("skip_reassign"):
-            for group in sorted({p.group for p in pieces}):
-                optimizer._reassign_or_swap_out_partitioned_parameters(group)
-                freshness.written(optimizer.fp16_groups[group], freshness.Write.OUTER)
+        self.reassign(optimizer, pieces)
         dist.all_reduce(squares, group=self.node_group)  # the node's norms: every rank of the node holds one shard
         device.host_wait(device.record_event())  # [Note: the host waits once per sync]
         drift, step = (math.sqrt(v) for v in device.small_to_host(squares))
@@ -184,6 +169,13 @@ class DiLoCoSync:
         if optimizer.persistent_parameters:
             optimizer.persistent_parameters[0].all_gather(optimizer.persistent_parameters)
         optimizer.invalidate_secondary_tensor()
+
+    @staticmethod
+    def reassign(optimizer: Any, pieces: Sequence[Piece]) -> None:
+        """The 16-bit partitions the forward uses set from the fragment's new fp32 master (and stamped written)."""
+        for group in sorted({p.group for p in pieces}):
+            optimizer._reassign_or_swap_out_partitioned_parameters(group)
+            freshness.written(optimizer.fp16_groups[group], freshness.Write.OUTER)
 
     def drop_pending(self) -> None:
         """Wait out the exchange in flight (every peer issued it) and forget it."""

@@ -43,16 +43,29 @@ def _cache_words(runtime: Any) -> str:
     skipped = dict(getattr(getattr(runtime, "attachment", None), "uncached", None) or {})
     total = len(entries) + sum(skipped.values())
     why = "".join(f", {n} {reason}" for reason, n in sorted(skipped.items()))
-    return (f"cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of {plural(total, 'parameter')} "
-            f"cached{f' (not cached: {why[2:]})' if why else ''}, slots per rank: {slots}")
+    empty = ("the cache holds no parameter, so every gather crosses nodes (the param_gather and gradient modes "
+             "that follow still run); " if not cached else "")
+    return (f"{empty}cache_device {runtime.config.cache_device}, {budget}; {len(cached)} of "
+            f"{plural(total, 'parameter')} cached{f' (not cached: {why[2:]})' if why else ''}, slots per rank: {slots}")
+
+
+def grad_words(grad_plan: Optional[Any]) -> str:
+    """The gradient modes that run (``grad_plan`` a :class:`~fcdp_deepspeed.grads.plan.GradPlan`, ``None``: no
+    optimizer), said as FCDP's own path or DeepSpeed's, whatever the cache holds."""
+    if grad_plan is None:
+        return "no optimizer, no gradients"
+    modes = f"grad_reduce {grad_plan.grad_reduce}, grad_accumulation {grad_plan.grad_accumulation}"
+    if grad_plan.grad_reduce == "flat" and grad_plan.grad_accumulation == "rank":
+        return f"{modes} (DeepSpeed's gradient path)"
+    node = " and accumulated in the node buffer" if grad_plan.grad_accumulation == "node" else ""
+    return f"{modes} (gradients reduced in two stages, inside the node then across nodes{node})"
 
 
 def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
     """The line for one engine: ``runtime`` an :class:`~fcdp_deepspeed.runtime.FCDPRuntime`, ``grad_plan``
     its :class:`~fcdp_deepspeed.grads.plan.GradPlan` (``None``: an engine without an optimizer)."""
     topo, config = runtime.topology, runtime.config
-    grads = ("no optimizer, no gradients" if grad_plan is None else
-             f"grad_reduce {grad_plan.grad_reduce}, grad_accumulation {grad_plan.grad_accumulation}")
+    grads = grad_words(grad_plan)
     return (f"fcdp: ON for this engine: {plural(topo.num_nodes, 'node')} x {plural(topo.ranks_per_node, 'rank')} per node "
             f"(from {topo.source}); {_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
             f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
@@ -79,14 +92,24 @@ def _warmup(config: Any) -> str:
     return f", after {config.warmup_steps} exact data-parallel warm-up steps (gradients averaged across nodes)"
 
 
+#: What a DiLoCo engine does instead of the cache and the cross-node gradient path (the on line and ``fcdp doctor``).
+DILOCO_NO_CACHE = "no FCDP cache (nothing is gathered across nodes)"
+
+
+def diloco_words(config: Any) -> str:
+    """What a DiLoCo block (``fcdp.diloco``) runs: lossy, its H, outer step, codec, streaming and warm-up; shared by
+    the on line and ``fcdp doctor``, so the two describe a config in the same words."""
+    codec = "uncompressed (fp32)" if config.compression == "off" else f"{config.compression} with error feedback"
+    return (f"exact ZeRO-3 inside each node, an outer sync every H = {config.sync_every} optimizer steps (outer_lr "
+            f"{config.outer_lr}, outer_momentum {config.outer_momentum}, nesterov {str(config.nesterov).lower()}, "
+            f"pseudo-gradients {codec}{_streaming(config)}){_warmup(config)}")
+
+
 def diloco_line(topology: Any, config: Any, outer_host_bytes: int) -> str:
     """The line for a DiLoCo engine (``fcdp.diloco``): lossy, its H, its codec, where the outer state lives."""
-    codec = "uncompressed (fp32)" if config.compression == "off" else f"{config.compression} with error feedback"
     return (f"fcdp: ON for this engine: LOSSY DiLoCo across {topology.num_nodes} nodes x {topology.ranks_per_node} "
-            f"ranks per node (from {topology.source}): exact ZeRO-3 inside each node, an outer sync every "
-            f"H = {config.sync_every} optimizer steps (outer_lr {config.outer_lr}, outer_momentum {config.outer_momentum}, "
-            f"nesterov {str(config.nesterov).lower()}, pseudo-gradients {codec}{_streaming(config)}){_warmup(config)}; no FCDP cache (nothing is gathered "
-            f"across nodes); outer state {fmt_bytes(outer_host_bytes)} of host memory per rank. Statistics: "
+            f"ranks per node (from {topology.source}): {diloco_words(config)}; {DILOCO_NO_CACHE}; outer state "
+            f"{fmt_bytes(outer_host_bytes)} of host memory per rank. Statistics: "
             f"fcdp_deepspeed.get_stats(engine) (diloco_*).")
 
 

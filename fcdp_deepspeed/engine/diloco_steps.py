@@ -18,7 +18,7 @@ from fcdp_deepspeed.diloco.exchange import PseudoGradExchange
 from fcdp_deepspeed.diloco.layout import check_same_start, repartition_over_node, valid_ranges
 from fcdp_deepspeed.diloco.outer import OuterState
 from fcdp_deepspeed.diloco.state import DiLoCoState
-from fcdp_deepspeed.diloco.sync import DiLoCoSync, broken
+from fcdp_deepspeed.diloco.sync import DiLoCoSync
 from fcdp_deepspeed.diloco.warmup import average_over_peers_
 from fcdp_deepspeed.engine import announce
 from fcdp_deepspeed.machine.topology import Topology, TopologyError, build_topology
@@ -87,7 +87,7 @@ class DiLoCoSteps:
     def _diloco_before_step(self) -> None:
         """A warm-up step's gradient partitions averaged over the nodes ([Note: the warm-up] in diloco/warmup.py)."""
         sync = self.fcdp_diloco
-        if sync is not None and sync.in_warmup and not broken("skip_warmup"):
+        if sync is not None and sync.in_warmup:
             with self._attributed(), LEDGER.tagged(DILOCO_FAMILY):
                 # stage 3's reduced gradient partitions, as its step reads them (offload_optimizer is refused)
                 sync.warmup_bytes += average_over_peers_([self.grad_partitions_flat_buffer], self._peer_group(),

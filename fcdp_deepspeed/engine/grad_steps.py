@@ -16,7 +16,7 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed.config import ds_compat
 from fcdp_deepspeed.grads.dispatch import bucket
-from fcdp_deepspeed.grads.inflight import Pending, grads_broken
+from fcdp_deepspeed.grads.inflight import Pending
 from fcdp_deepspeed.grads.reducer import GradReducer
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting import timeline
@@ -51,7 +51,7 @@ MIN_AUTO_BUCKET = 2**18
 #: more: 4e9 at DeepSpeed's default, a 7B full fine-tune) that was ~2.3 GB more device memory than ZeRO-3, a smaller
 #: maximum batch. So ``auto`` takes at most a third of DeepSpeed's size: the 2/3 of the buffer it frees pays for the
 #: stages in flight (1.16 buckets of a third is 0.39 of DeepSpeed's; allocated memory, measured; the allocator's
-#: reserved memory is still above ZeRO-3's, GPU-check.md). An explicit ``grad_bucket_size`` is taken as given.
+#: reserved memory is still above ZeRO-3's, gpu.md). An explicit ``grad_bucket_size`` is taken as given.
 AUTO_SHARE_OF_DEEPSPEED = 3
 
 
@@ -67,7 +67,7 @@ def bucket_cap(setting: object, trainable_numel: int, deepspeed_value: int) -> i
 
 def _reduce_first_bucket_early(optimizer: Any, param: torch.nn.Parameter) -> None:
     """After each gradient enters DeepSpeed's bucket: reduce the window's first bucket once it is due ([Note: the first
-    bucket leaves early] in ``grads/staging.py``). Per gradient, so the bucket is looked up only while it is open."""
+    bucket leaves early] in ``grads/reducer.py``). Per gradient, so the bucket is looked up only while it is open."""
     reducer = optimizer.fcdp_grads
     if reducer is not None and reducer.first_bucket_open():
         comm_dtype, bucket = ds_compat.ipg_bucket(optimizer, param)
@@ -107,8 +107,7 @@ class GradSteps:
         window's boundary the node buffer's sums."""
         if self.fcdp_grads is None:
             return
-        if not grads_broken("no_drain"):
-            self._deliver_inflight(keep=0)
+        self._deliver_inflight(keep=0)
         if ds_compat.is_boundary(self):
             self._flush_node_buffer()
 
@@ -116,8 +115,7 @@ class GradSteps:
         """Before the step: never step without the window's sums (unreachable when the engine drives the backward and
         the boundary)."""
         reducer = self.fcdp_grads
-        if reducer is not None and (reducer.buffer.dirty or len(reducer.queue) or len(reducer.node_stages)) and \
-                not grads_broken("no_drain"):
+        if reducer is not None and (reducer.buffer.dirty or len(reducer.queue) or len(reducer.node_stages)):
             self._deliver_inflight(keep=0)
             self._flush_node_buffer()
 
@@ -135,7 +133,7 @@ class GradSteps:
         if reducer is not None and reducer.deferring:
             with self._timed(_BUCKET):  # on DeepSpeed's reduce stream (its caller's context)
                 # the previous bucket's stage 1 (this one's too when nothing crosses yet: [Note: nothing across,
-                # nothing kept] in grads/staging.py): into the buffer or its stage 2 issued
+                # nothing kept] in grads/reducer.py): into the buffer or its stage 2 issued
                 reducer.advance(keep=reducer.keep_after_bucket())
                 for entry in reducer.queue.take(reducer.queue.depth):
                     self._deliver(entry)

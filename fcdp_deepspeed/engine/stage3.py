@@ -44,9 +44,9 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import faults, grads
-from fcdp_deepspeed.compress import grads as compress_grads
-from fcdp_deepspeed.compress.residual import move_residuals, reap_residuals
+from fcdp_deepspeed import grads
+from fcdp_deepspeed.grads import compressed as compress_grads
+from fcdp_deepspeed.grads.residual import move_residuals, reap_residuals
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import ds_compat
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
@@ -55,7 +55,6 @@ from fcdp_deepspeed.engine import announce
 from fcdp_deepspeed.engine.counting import count_plain_engine
 from fcdp_deepspeed.engine.diloco_steps import DiLoCoSteps
 from fcdp_deepspeed.engine.grad_steps import AVG_SCATTER as _AVG_SCATTER, GradSteps
-from fcdp_deepspeed.machine import strict_device
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import GRAD_FAMILY, LEDGER, CommCounters
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -123,7 +122,6 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
         return super().__new__(cls)
 
     def __init__(self, module, init_optimizer, *args, **kwargs) -> None:
-        strict_device.configure_from_env()  # FCDP_STRICT_DEVICE=1: the CPU test suite's strict door
         #: This engine's collectives from its creation on, with or without the cache (see get_stats).
         self.fcdp_comm = CommCounters()
         #: Host seconds per phase of inter-node work (``timeline.py``; ``get_stats``' ``timeline_*``).
@@ -382,8 +380,6 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
         if self.fcdp is not None:
             self.fcdp.flush("checkpoint")
         self.fcdp_phase = Phase.TRAINING
-        if self.fcdp_grads is not None and faults.invalidation_broken("checkpoint_window"):  # test-only: the old
-            self.fcdp_grads.new_window(discard=True)  # epilogue, which dropped the window's partial sums (issue 33)
         # the window's partial sums stay, as DeepSpeed's: [Note: a checkpoint inside a window] (grads/buffer.py)
         super().checkpoint_event_epilogue()  # every partition stamped (CountedStage3), then DeepSpeed's
         if self.fcdp is not None or self.fcdp_diloco is not None:
@@ -406,7 +402,6 @@ class CountedZeROOffload(DeepSpeedZeRoOffload):
         return super().__new__(cls)
 
     def __init__(self, module, *args, **kwargs) -> None:
-        strict_device.configure_from_env()
         self.fcdp_comm = CommCounters()
         self.fcdp_clock = timeline.PhaseClock()
         super().__init__(module, *args, **kwargs)

@@ -4,8 +4,10 @@ gradient accumulation, in place of DeepSpeed's bucket reduce-scatter.
 One concern per module: ``layout.py`` (where chunks travel, [Note: the two-stage reduction]),
 ``collectives.py`` (the two stages' collectives), ``buffer.py`` (the node buffer, its budget and
 allocation, [Note: node accumulation]), ``delivery.py`` (which partitions DeepSpeed overwrites or adds to),
-``reducer.py`` (the bucket and flush paths), ``dispatch.py`` (the hook into DeepSpeed). This module builds
-an engine's reducer and exports the names the rest of the package uses.
+``reducer.py`` (the bucket and flush paths), ``inflight.py`` (the stages in flight), ``compressed.py`` (the
+compressed inter-node stage, ``fcdp.grad_compression``) and ``residual.py`` (its error-feedback residuals),
+``dispatch.py`` (the hook into DeepSpeed). This module builds an engine's reducer and exports the names the rest
+of the package uses.
 
 [Note: patch points] The names below are the submodules' own objects (classes, functions), so a patch of
 ``grads.GradReducer.reduce`` reaches every reducer. A module-level name is looked up where it is used:

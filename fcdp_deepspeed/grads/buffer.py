@@ -20,7 +20,7 @@ re-gathers persistent parameters; no load path touches the gradient partitions o
 window's remaining micro-steps add to them and the step applies the whole window (after a load: to the loaded
 weights). FCDP keeps its part of the window likewise: the node buffer's partial sums, the delivery ledger
 (a parameter delivered earlier in the window is added to, not overwritten) and the pending error-feedback
-residuals ([Note: residual commit] in ``compress/residual.py``). A saved checkpoint holds no partial window
+residuals ([Note: residual commit] in ``grads/residual.py``). A saved checkpoint holds no partial window
 sums, in DeepSpeed as here. Readers of DeepSpeed's gradient partitions *between* micro-steps
 (``safe_get_local_grad`` before the boundary) see nothing of the window so far under node accumulation; at
 the boundary they see the full sum.
@@ -172,7 +172,7 @@ class NodeGradBuffer:
 #: headroom that step left (total minus the allocator's peak reserved memory, minus memory outside the allocator and
 #: a margin: ``memory.measured_device_headroom``), before the cache takes its share. Placement is per rank (no
 #: collective depends on it). A buffer planned after that step (the accumulation steps raised later) measures again
-#: when it is planned. The error-feedback residuals of ``grad_compression`` follow (``compress/residual.py``).
+#: when it is planned. The error-feedback residuals of ``grad_compression`` follow (``grads/residual.py``).
 #: [Note: buffer chunks] The buffer is carved into chunks of at most this size (a slot larger than it opens a
 #: chunk of its own), as the cache's pools are (``cache.CHUNK_BYTES``): a pinned allocation costs its power-of-two
 #: rounding, so one flat pinned buffer could hold only the largest power of two under its budget (as little as

@@ -1,17 +1,27 @@
 """The two stages' collectives: a reduce-scatter inside the node, then one among the node peers."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from deepspeed import comm as dist
 
 import deepspeed.comm.comm as _comm_module
-from fcdp_deepspeed import faults
-from fcdp_deepspeed.grads.inflight import Inflight, issue_delay
+from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.grads.layout import ReduceLayout
 from fcdp_deepspeed.reporting import timeline
+
+
+class CompressedStage(Protocol):
+    """A stage 2 that replaces the exact one where it can (``fcdp.grad_compression``: ``compressed.GradCompressor``)."""
+
+    def inter_node(self, node_sums: Sequence[torch.Tensor], ds_ids: Sequence[int],
+                   exact: Callable[[list], Inflight]) -> Inflight:
+        """Stage 2 of ``ds_ids`` issued: compressed where it can, ``exact`` for the rest."""
+
+    def stats(self) -> dict:
+        """Its ``grad_*`` keys of ``get_stats``."""
 
 
 class StageCollectives:
@@ -25,13 +35,14 @@ class StageCollectives:
         self.peer_group = peer_group
         self.accumulation_dtype = accumulation_dtype
         backend = _comm_module.cdb.get_backend(dp_group)
-        #: gloo's reduce-scatter moves a full all-reduce: use all-to-all + local sum there (unless a test forces
-        #: NCCL's branch, ``faults.reduce_scatter_forced``). [Note: summation dtype] The all-to-all path sums in
-        #: the accumulation dtype (fp32), in group-rank order; ``reduce_scatter_tensor`` sums in the input's dtype:
-        #: NCCL (and gloo) add bf16 inputs in bf16, one rounding per addition, as ZeRO-3's own reduce-scatter does.
-        self.use_alltoall = str(backend).lower() == "gloo" and not faults.reduce_scatter_forced()
-        #: ``fcdp.grad_compression``'s stage 2 (``compress/grads.py``: ``GradCompressor``), set when it is on.
-        self.compressor: Any = None
+        #: Which collective both stages use, chosen once here: gloo's reduce-scatter moves a full all-reduce, so
+        #: all-to-all + local sum there, ``reduce_scatter_tensor`` elsewhere. [Note: summation dtype] The all-to-all
+        #: path sums in the accumulation dtype (fp32), in group-rank order; ``reduce_scatter_tensor`` sums in the
+        #: input's dtype: NCCL (and gloo) add bf16 inputs in bf16, one rounding per addition, as ZeRO-3's own
+        #: reduce-scatter does.
+        self.use_alltoall = str(backend).lower() == "gloo"
+        #: ``fcdp.grad_compression``'s stage 2 (``compressed.py``), set by ``attach_compressor`` when it is on.
+        self.compressor: Optional[CompressedStage] = None
 
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
@@ -77,7 +88,6 @@ class StageCollectives:
         backward] in ``inflight.py``): :meth:`issue_inter_node`, or quantized with error feedback where
         ``fcdp.grad_compression`` holds a residual for them ([Note: the compressed exchange]: it encodes the
         accumulation-dtype sums at issue and decodes at completion, so no fp16 cast of a window sum arises there)."""
-        issue_delay()
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
             if self.compressor is None:
                 return self.issue_inter_node(node_sums, comm_dtype, window_sums)

@@ -30,8 +30,8 @@ stream (DeepSpeed's reduce stream), and ``wait()`` at completion makes the then 
 again) wait for it, with no host wait, so the next buckets' stage 1 is not queued behind a stage 2. Buffers handed to
 an in-flight collective are held by its :class:`Inflight` and never written before it completed. Strict mode models
 each collective on its group's stream: reading its output before ``wait()`` is an ordering error
-(``FCDP_BREAK_GRADS=read_early``: ``tests/test_device_discipline.py``; on gloo with a late peer, different values:
-``tests/test_grad_overlap.py``).
+(the lab's broken variant ``grads.read_early``, which replaces :meth:`Inflight.complete`:
+``tests/test_device_discipline.py``; on gloo with a late peer, different values: ``tests/test_grad_overlap.py``).
 """
 from __future__ import annotations
 
@@ -41,28 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-
-from deepspeed import comm as dist
-
-
-from fcdp_deepspeed import faults
-BREAK_ENV = "FCDP_BREAK_GRADS"
-#: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every inter-node gradient stage (skew, so that a
-#: read before completion shows on gloo).
-DELAY_ENV = "FCDP_GRAD_ISSUE_DELAY"
-#: ``read_early``: completion reads the received buffer without waiting for the collective; ``no_drain``: the
-#: backward's end does not complete the queue (the step reads partitions without those gradients).
-BREAKS = ("read_early", "no_drain")
-
-
-def grads_broken(what: str) -> bool:
-    """Whether ``FCDP_BREAK_GRADS`` names ``what`` (test-only; one lookup when unset)."""
-    return faults.named_broken(BREAK_ENV, BREAKS, what)
-
-
-def issue_delay() -> None:
-    """Test-only skew (``FCDP_GRAD_ISSUE_DELAY``): sleep before this rank issues an inter-node stage."""
-    faults.rank_skew(DELAY_ENV, dist.get_rank())
 
 
 @dataclass(eq=False)
@@ -75,15 +53,11 @@ class Inflight:
     buffers: tuple = ()
 
     def complete(self) -> list[torch.Tensor]:
-        if not grads_broken("read_early"):
-            for work in self.works:
-                if work is not None:
-                    work.wait()
+        """Wait for every work, then turn the received data into the partitions; the buffers are let go after."""
+        for work in self.works:
+            if work is not None:
+                work.wait()
         out = self.finish()
-        if grads_broken("read_early"):  # the broken variant read too early; let the buffers die only when done
-            for work in self.works:
-                if work is not None:
-                    work.wait()
         self.buffers, self.works = (), []
         return out
 

@@ -2,8 +2,6 @@
 
 - ``device.py``: the device door, the one place FCDP issues host<->accelerator copies, streams, events
   and pinned allocations;
-- ``strict_device.py``, ``strict_streams.py``, ``strict_log.py``: strict device mode, the CPU model of
-  CUDA that checks the door's discipline and stream order on DeepSpeed's CPU accelerator;
 - ``topology.py``: node layout and the node / node-peer groups; ``comm_warmup.py``: those communicators
   warmed up at attach, and the memory their first use took.
 """

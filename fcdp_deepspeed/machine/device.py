@@ -16,8 +16,9 @@ CUDA rules once instead of at every call site:
 - tiny control tensors (agreement all-reduces at planning time) go through :func:`small_to_accel` /
   :func:`small_to_host`, which are blocking by design and must not run per step.
 
-The door is swappable (:func:`use`): ``fcdp_deepspeed.machine.strict_device`` provides a strict door for the
-CPU test suite that tells host memory from accelerator memory and counts blocking operations.
+The door is swappable (:func:`install`, :func:`use`), so that a test can run FCDP through a stricter door on the
+CPU, one that tells host memory from accelerator memory and counts blocking operations (``Door.strict``: code that
+must behave as on CUDA under such a door asks it).
 """
 from __future__ import annotations
 

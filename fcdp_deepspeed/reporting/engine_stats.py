@@ -36,7 +36,7 @@ def stats_of(optimizer: Any) -> dict:
         if "grad_compressed_inter_node_bytes" in out:  # grad_compression: what of the inter-node stage crossed exact
             out["grad_exact_inter_node_bytes"] = out["inter_node_grad_reduce_bytes"] - out["grad_compressed_inter_node_bytes"]
     diloco = getattr(optimizer, "fcdp_diloco", None)
-    if diloco is not None:  # fcdp.diloco: the outer syncs (docs/DILOCO.md)
+    if diloco is not None:  # fcdp.diloco: the outer syncs (docs/diloco.md)
         out.update(diloco.stats(), fcdp_enabled=True)
     out.setdefault("fcdp_enabled", True)
     clock = getattr(optimizer, "fcdp_clock", None)

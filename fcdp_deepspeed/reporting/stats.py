@@ -453,6 +453,7 @@ def format_stats_line(stats: dict, previous: Optional[dict] = None) -> str:
     per = {k: v / steps for k, v in d.items()}
     lookups = d["cache_hits"] + d["cache_misses"]
     rate = f"{d['cache_hits'] / lookups:.1%}" if lookups else "n/a (no lookups)"
+    rate += hit_rate_hint(d["cache_hits"], d["cache_misses"])
     span = f"step {first}" if first == last else f"steps {first}-{last}"
     slots = stats.get("host_slot_bytes", 0) + stats.get("device_slot_bytes", 0)
     valid = stats.get("host_cache_bytes", 0) + stats.get("device_cache_bytes", 0)
@@ -464,6 +465,22 @@ def format_stats_line(stats: dict, previous: Optional[dict] = None) -> str:
             f"per rank (host {fmt_bytes(stats.get('host_slot_bytes', 0))}, device "
             f"{fmt_bytes(stats.get('device_slot_bytes', 0))}), valid now {fmt_bytes(valid)}" + _compression_part(stats)
             + _timeline_part(stats, prev, steps))
+
+
+def hit_rate_hint(hits: int, misses: int) -> str:
+    """Why a hit rate is 0% when the cache was looked up (empty otherwise).
+
+    [Note: a 0% hit rate] The cache serves a parameter's gathers after the first one of a step (trainable) or
+    every one (frozen). DeepSpeed keeps a parameter gathered from its forward use to its backward use when the
+    elements gathered in between stay under ``stage3_max_reuse_distance`` (default 1e9) and prefetches up to
+    ``stage3_prefetch_bucket_size``; on a model that fits in them, with every parameter trainable, each lookup is
+    then a step's first gather and the cache has nothing to serve (nothing crosses nodes twice either)."""
+    if hits or not misses:
+        return ""
+    return (" (the cache served nothing: each lookup was a parameter's first gather after a step, and DeepSpeed kept "
+            "the parameters gathered from forward to backward under zero_optimization.stage3_max_reuse_distance "
+            "(default 1e9) and stage3_prefetch_bucket_size; lower them, e.g. stage3_max_reuse_distance 0, when device "
+            "memory is short, and the backward's gathers come from the cache)")
 
 
 #: The ``[fcdp]`` line's timeline phases (``timeline.Phase`` values) and their short names.

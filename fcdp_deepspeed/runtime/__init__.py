@@ -15,7 +15,7 @@ methods. Each concern is one module here, with the state it owns in one dataclas
 - ``refill.py`` (:class:`MissBatcher`: the batch size cap): small stale parameters refilled together
   at the first miss, one collective instead of one per module ([Note: why batch misses]);
 - ``compression.py``: ``fcdp.param_compression`` wired in (reference slots and their budget, [Note: which
-  parameters are compressed]); the compressed stage 1 itself is ``compress/params.py``;
+  parameters are compressed]); the compressed stage 1 itself is ``runtime/compressed_gather.py``;
 - ``invalidation.py`` (:class:`Invalidation`: optimizer-owned ids, ``keep_frozen``): which entries
   each value-changing event drops;
 - ``report.py`` (:class:`Report`: cadence, monitor): ``stats()``, the log line and monitor events.
@@ -35,8 +35,6 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.compress.params import ParamCompression
-from fcdp_deepspeed.compress.reference import ReferenceCheckpoint
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.machine import comm_warmup, device
 from fcdp_deepspeed.machine.topology import Topology
@@ -45,7 +43,9 @@ from fcdp_deepspeed.reporting.stats import CacheCounters, CommCounters
 from fcdp_deepspeed.reporting.timeline import PhaseClock
 from fcdp_deepspeed.runtime.allocation import Allocation, offloaded_pageable, pageable_warning, warn_if_nothing_cached
 from fcdp_deepspeed.runtime.attach import Attachment, attach
+from fcdp_deepspeed.runtime.compressed_gather import ParamCompression
 from fcdp_deepspeed.runtime.compression import build_compression
+from fcdp_deepspeed.runtime.compression_reference import ReferenceCheckpoint
 from fcdp_deepspeed.runtime.fetch import FetchPath, StaleCacheError
 from fcdp_deepspeed.runtime.gather import build_gather, module_order
 from fcdp_deepspeed.runtime.invalidation import Invalidation

@@ -205,8 +205,8 @@ _FIXES = {
 
 def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
     """One warning (rank 0) when an enabled engine caches no parameter at all, naming each reason
-    and the setting that changes it. Why: the job then runs exactly as plain ZeRO-3, and a user who
-    enabled the block would otherwise only see it in ``get_stats``' ``uncached_reasons``."""
+    and the setting that changes it. Why: every gather then crosses nodes as in plain ZeRO-3 (the gradient modes
+    still run), and a user who enabled the block would otherwise only see it in ``get_stats``' ``uncached_reasons``."""
     if any(e.state is not EntryState.DISABLED for e in allocation.cache.entries.values()):
         return
     if allocation.topology.num_nodes == 1:
@@ -222,5 +222,6 @@ def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
     if not reasons:
         reasons.append("the model has no ZeRO-3 partitioned parameters")
     if dist.get_rank() == 0:
-        logger.warning("fcdp: enabled, but the cache holds no parameter, so this engine runs as plain ZeRO-3. "
+        logger.warning("fcdp: enabled, but the cache holds no parameter: every gather crosses nodes (the gradient modes on "
+                       "the 'fcdp: ON' line still run). "
                        "Parameters not cached: " + "; ".join(reasons) + ".")

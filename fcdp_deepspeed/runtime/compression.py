@@ -5,7 +5,7 @@
 A parameter's stage 1 is compressed when it has a reference slot and a valid reference. Slots go to the
 parameters the optimizer owns and that require grad at engine build (frozen ones never change, and are
 served by the cache), that the two-stage gather serves (partitioned over the engine's DP group, not
-persistent, not quantized) and whose partition is smaller compressed than exact (``compress.params.pays``:
+persistent, not quantized) and whose partition is smaller compressed than exact (``compressed_gather.pays``:
 a partition of a few elements costs a whole block and its scale). Slots are N*p elements of the
 parameter's dtype, placed like cache slots, after them: pinned host memory within what the cache left of
 ``host_budget`` (``cache_device: device``: accelerator memory within what it left of ``device_budget``
@@ -21,14 +21,15 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.compress.params import DTYPES, DriftMeter, ParamCompression, pays
 from fcdp_deepspeed.compress.quant import codec_for, ready
-from fcdp_deepspeed.compress.reference import CompressionCounters, Reference, ReferenceCheckpoint, ReferenceStore
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError, resolved_param_compression
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.machine.topology import Topology
 from fcdp_deepspeed.reporting.stats import fmt_bytes
 from fcdp_deepspeed.runtime.allocation import Allocation, fit_prefix
+from fcdp_deepspeed.runtime.compressed_gather import DTYPES, DriftMeter, ParamCompression, pays
+from fcdp_deepspeed.runtime.compression_reference import (CompressionCounters, Reference, ReferenceCheckpoint,
+                                                          ReferenceStore)
 from fcdp_deepspeed.runtime.gather import HierarchicalGather
 from fcdp_deepspeed.storage.cache import NodeCache, Placement, SlotPool
 from fcdp_deepspeed.storage.placement import SlotRequest, plan_placement

@@ -30,7 +30,7 @@ every collective on the host):
   alone (no ``Work.wait`` at issue time: with ``TORCH_NCCL_BLOCKING_WAIT=1`` that would be a host wait).
   Stage 2 is issued asynchronously from it, so it starts after stage 1. The flat buffer, allocated on
   the issuing stream, is ``record_stream``-ed here. Anything between the stages (the dequantization of
-  ``fcdp.param_compression``, ``compress/params.py``) runs on this stream too;
+  ``fcdp.param_compression``, ``runtime/compressed_gather.py``) runs on this stream too;
 - the *waiting* stream (whichever is current when DeepSpeed's handle waits, the all-gather stream
   again under the coordinator): ``AllGatherCoalescedHandle.wait`` waits on stage 2's work (stream-only
   on NCCL, a host wait on gloo, as for DeepSpeed's own flat gather), so it is ordered after both
@@ -46,7 +46,7 @@ per step, 100 Mbit/s, large release regime; 1.417 vs 1.436 s with DeepSpeed's de
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -56,14 +56,14 @@ from deepspeed.runtime.zero.partition_parameters import (AllGatherCoalescedHandl
 from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 from deepspeed.utils import logger
 
-from fcdp_deepspeed.compress.params import ParamCompression
 from fcdp_deepspeed.config import FCDPConfig, ds_compat
 from fcdp_deepspeed.grads import ReduceLayout, build_layout
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.machine.topology import Topology, group_ranks
 from fcdp_deepspeed.reporting import timeline
-from fcdp_deepspeed.runtime.runahead import RunAhead, push_broken
-from fcdp_deepspeed.runtime.sequencer import StageTwo, stage1_delay
+from fcdp_deepspeed.runtime.compressed_gather import ParamCompression
+from fcdp_deepspeed.runtime.runahead import RunAhead
+from fcdp_deepspeed.runtime.sequencer import StageTwo
 from fcdp_deepspeed.runtime.staged import StreamAhead, copy_partitions, stages_on_streams
 from fcdp_deepspeed.storage import freshness
 
@@ -111,7 +111,12 @@ class HierarchicalGather:
     staged: Optional[StreamAhead] = None
     #: ``ds_id`` -> index of the module that owns the parameter (:func:`module_order`), for per-module gathers.
     owner: dict = field(default_factory=dict)
+    #: How stage 2 follows stage 1, chosen once here from the backend (:meth:`__post_init__`), never per gather.
+    stages: Callable[[list, bool, Any], tuple[torch.Tensor, int, Any]] = field(init=False, repr=False)
     _same_group: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stages = self._stages_queued if self.queue is not None else self._stages_on_streams
 
     @property
     def own_slot(self) -> int:
@@ -184,20 +189,29 @@ class HierarchicalGather:
             p.ds_status = ZeroParamStatus.INFLIGHT
         if self.compression is not None:
             self.compression.issued(params, lossy)
-        if pending is not None and self.staged is not None:  # [Note: the run-ahead on streams] (staged.py)
-            (flat, stage2), part = self.staged.stage2(pending.work, push_broken("read_early")), pending.part
-        elif pending is not None:  # stage 1 issued ahead; the queue waits for it (runahead.py)
-            flat, part = pending.flat, pending.part
-            stage2 = self.queue.add(flat, pending.bundle, pending.work, pushed=True, early=push_broken("read_early"))
-        elif self.queue is not None:  # no streams: [Note: stage 1 does not block the host] (sequencer.py)
-            flat, bundle, mine, part = self.buffers(params)
-            stage2 = self.queue.add(flat, bundle, self.stage1(params, bundle, mine, part, lossy, async_op=True))
-        else:  # streams: [Note: streams]; stage 1 on the stage-1 stream with the run-ahead (staged.py)
-            flat, bundle, mine, part = self.buffers(params)
-            stage2 = stages_on_streams(self, params, flat, bundle, mine, part, lossy)
+        flat, part, stage2 = self.stages(params, lossy, pending)
         partitions = [flat.narrow(0, self.slots[r] * part, part) for r in range(self.layout.dp_size)]
         return AllGatherCoalescedHandle(allgather_handle=stage2, params=params, partitions=partitions,
                                         world_size=self.layout.dp_size)
+
+    def _stages_queued(self, params: list, lossy: bool, pending: Any) -> tuple[torch.Tensor, int, Any]:
+        """No streams ([Note: stage 1 does not block the host] in ``sequencer.py``): stage 2 deferred to the queue,
+        after the stage 1 the run-ahead issued (``pending``, ``runahead.py``) or one issued now. Returns ``(flat, part,
+        what completes stage 2)``."""
+        if pending is not None:
+            stage2 = self.queue.add(pending.flat, pending.bundle, pending.work, pushed=True)
+            return pending.flat, pending.part, stage2
+        flat, bundle, mine, part = self.buffers(params)
+        return flat, part, self.queue.add(flat, bundle, self.stage1(params, bundle, mine, part, lossy, async_op=True))
+
+    def _stages_on_streams(self, params: list, lossy: bool, pending: Any) -> tuple[torch.Tensor, int, Any]:
+        """Streams ([Note: streams]): both stages ordered on the streams; a stage 1 the run-ahead issued (``pending``)
+        lands in a pinned stash ([Note: the run-ahead on streams] in ``staged.py``)."""
+        if pending is not None:
+            flat, stage2 = self.staged.stage2(pending.work)
+            return flat, pending.part, stage2
+        flat, bundle, mine, part = self.buffers(params)
+        return flat, part, stages_on_streams(self, params, flat, bundle, mine, part, lossy)
 
     def ahead(self, params: list, lossy: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, int, Any]:
         """Stage 1 issued ahead (``runahead.py``): ``(flat, bundle, part, what completes it)``; on streams the bundle
@@ -211,10 +225,9 @@ class HierarchicalGather:
     def stage1(self, params: list, bundle: torch.Tensor, mine: torch.Tensor, part: int, lossy: bool,
                async_op: bool) -> Any:
         """Stage 1 into ``bundle``: what completes it when asynchronous (a work, or with ``fcdp.param_compression``
-        the :class:`~fcdp_deepspeed.compress.params.StageOne` that decodes or seeds at its ``wait``: [Note: the
+        the :class:`~fcdp_deepspeed.runtime.compressed_gather.StageOne` that decodes or seeds at its ``wait``: [Note: the
         compressed stage 1 in flight]), else ``None`` (complete, or ordered by the stream)."""
         clock = self.queue.clock if self.queue is not None else None
-        stage1_delay()  # test-only skew (FCDP_STAGE1_DELAY)
         if self.compression is not None:
             stage = self.compression.start(params, bundle, mine, part, self.peer_group, lossy=lossy,
                                            async_op=async_op, clock=clock)

@@ -11,7 +11,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from fcdp_deepspeed import faults
 from fcdp_deepspeed.storage.cache import NodeCache
 
 
@@ -35,8 +34,6 @@ class Invalidation:
 
     def params(self, params: Iterable[torch.nn.Parameter], reason: str) -> int:
         """Drop the entries of ``params`` (those that have one); return how many were dropped."""
-        if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=optimizer_write)
-            return 0
         params = self._tell(params)
         entries = [e for e in (self.cache.entry(p) for p in params) if e is not None]
         return self.cache.invalidate(entries, reason)
@@ -47,18 +44,16 @@ class Invalidation:
         Kept: frozen params (``keep_frozen``) the optimizer does not own. A param unfrozen between
         steps requires grad now, so it is dropped too and never served as a stale "frozen" value.
         """
-        if faults.invalidation_broken("step_end"):  # test-only
-            return
-        trainable = not faults.invalidation_broken("requires_grad")  # test-only: the rule below skipped
-        stale = [e for e in self.cache.entries.values()
-                 if (trainable and e.param.requires_grad) or e.param.ds_id in self.optimizer_ids
-                 or not self.keep_frozen]
+        stale = [e for e in self.cache.entries.values() if self.stepped(e.param)]
         self._tell(e.param for e in stale)
         self.cache.invalidate(stale, "optimizer_step")
 
+    def stepped(self, param: torch.nn.Parameter) -> bool:
+        """Whether an optimizer step may have changed ``param``: it requires grad now (an unfrozen one included), the
+        optimizer owns it, or frozen parameters are not kept."""
+        return param.requires_grad or param.ds_id in self.optimizer_ids or not self.keep_frozen
+
     def flush(self, reason: str) -> None:
         """Drop every entry (checkpoint events: frozen parameters may have been written too)."""
-        if faults.invalidation_broken(reason):  # test-only (FCDP_BREAK_INVALIDATION=checkpoint)
-            return
         self._tell(e.param for e in self.cache.entries.values())
         self.cache.invalidate(list(self.cache.entries.values()), reason)

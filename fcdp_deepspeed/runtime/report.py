@@ -131,7 +131,7 @@ class Report:
         return out
 
     def _memory_stats(self, host_pool: Optional[SlotPool]) -> dict:
-        """``memory``: pinning, the communicators' first use and the move to the accelerator (docs/GPU.md); one
+        """``memory``: pinning, the communicators' first use and the move to the accelerator (docs/gpu.md); one
         dict, so per-engine byte counters (``*_bytes`` at the top level) stay counters."""
         p = self.promotion
         return {"memory": {

@@ -39,10 +39,10 @@ gathers, and a push in any other grouping crossed the nodes for nothing, the ref
 
 Correctness:
 - *never read before complete*: stage 2 reads the bundle only after ``Work.wait`` of its stage 1 (the queue)
-  (``FCDP_BREAK_PUSH=read_early`` skips that wait: a test must then see wrong values);
+  (``StageTwo.wait_stage1``; a test that skips that wait must see wrong values);
 - *never read stale*: every invalidation event (``runtime/invalidation.py``'s three, and
   ``partition(has_been_updated=True)``) cancels the pending groups of the parameters it names before anything
-  can read them (``FCDP_BREAK_PUSH=skip_invalidation`` ignores them: a test must see a stale value);
+  can read them (:meth:`RunAhead.cancel`; a test that ignores them must see a stale value);
 - *agreement*: the trace is the sequence of two-stage gathers, identical on every rank (issued collectively,
   in ``ds_id`` order), the batch is decided from the cache's agreed state; pushes happen at the same logical
   point (the step's end) and a pending group is used only by a fetch of exactly its parameters, which every
@@ -65,8 +65,8 @@ stage 1 rewrites the reference) drops it first, so does a fetch whose split (exa
 references as they are then) differs from the plan's, and every invalidation drops it as for an exact group.
 Dropping completes the collective and decodes nothing: the references stay as they were on every peer. A planned
 group is issued only if it still splits as planned; the periodic refresh drops the references before the push
-plans (``FCDPRuntime.on_step_end``), so a refresh step's plan is exact. ``FCDP_BREAK_PUSH=stale_reference`` keeps
-a pending compressed group across a fetch that rewrote its references: a test must then see a wrong reconstruction.
+plans (``FCDPRuntime.on_step_end``), so a refresh step's plan is exact. A test that keeps a pending compressed group
+across a fetch that rewrote its references (:func:`_pop_overlapping_lossy` skipped) must see a wrong reconstruction.
 """
 from __future__ import annotations
 
@@ -78,26 +78,15 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-from fcdp_deepspeed import faults
 from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting.stats import EventCounters
 from fcdp_deepspeed.runtime.staged import StreamAhead
 from fcdp_deepspeed.storage import freshness
 
-BREAK_ENV = "FCDP_BREAK_PUSH"
-#: Test-only: ``"RANK:SECONDS"`` delays that rank's push (rank skew, so a read before completion shows).
-DELAY_ENV = "FCDP_PUSH_DELAY"
-BREAKS = ("read_early", "skip_invalidation", "stale_reference")
 #: The most two-stage gathers one window's trace keeps (``RunAhead.trace``): bounded whatever runs between pushes.
 MAX_TRACE = 4096
-
-
-def push_broken(what: str) -> bool:
-    """Whether ``FCDP_BREAK_PUSH`` names ``what`` (test-only; read at every call)."""
-    return faults.named_broken(BREAK_ENV, BREAKS, what)
 
 
 class Start(Enum):
@@ -208,7 +197,7 @@ class RunAhead:
             pending = self.pending.pop(key, None)
             self.planned.pop(key, None)
             # the other pending compressed groups holding one of these parameters
-            stale = [] if push_broken("stale_reference") else _pop_overlapping_lossy(self.pending, key)
+            stale = _pop_overlapping_lossy(self.pending, key)
         if pending is not None and pending.lossy != lossy:  # the fetch's split differs: its own stage 1 crosses
             stale, pending = stale + [pending], None
         if pending is not None and not freshness.all_current(pending.params, pending.taken):
@@ -245,7 +234,6 @@ class RunAhead:
         self.cancel(None, unused=True)
         with self._lock:
             trace, self.trace = self.trace, deque(maxlen=MAX_TRACE)
-        faults.rank_skew(DELAY_ENV, dist.get_rank())  # test-only skew (FCDP_PUSH_DELAY)
         with self._lock:
             self.planned = {}
             for params, lossy in self.plan(trace):
@@ -284,7 +272,7 @@ class RunAhead:
                 del self.planned[key]
                 total += nbytes
                 # as for a stage 1 issued by its fetch: asynchronous (a compressed one encodes now, decodes when the
-                # fetch's queue waits for it); the test-only skew (FCDP_STAGE1_DELAY) and the trace included
+                # fetch's queue waits for it); the trace included
                 taken = freshness.stamps(params)  # before the partitions are read
                 self.pending[key] = Pending(key, *self.gather.ahead(params, lossy), nbytes, lossy, taken, tuple(params))
                 issued += 1
@@ -294,8 +282,6 @@ class RunAhead:
     def cancel(self, params: Optional[Iterable[torch.nn.Parameter]], unused: bool = False) -> None:
         """An invalidation event for ``params`` (``None``: every parameter): drop the pending groups holding any.
         ``unused``: the next push drops what no fetch took (counted: bytes that crossed for nothing)."""
-        if params is not None and push_broken("skip_invalidation"):
-            return  # test-only: a push that survives an invalidation
         with self._lock:
             if params is None:
                 dropped, self.pending, self.planned, self.armed = list(self.pending.values()), {}, {}, False

@@ -15,8 +15,8 @@ points are not quite: DeepSpeed waits the handles of one module in the iteration
 differs per rank. Draining everything up to the waited handle makes the issue order the FIFO order whatever
 handle a rank waits first, and every rank has drained the same prefix when the module's wait loop ends, so
 the node-group collectives issued at the next issue point (cache hits over the node group) come after the
-same stage 2s on every rank. ``FCDP_BREAK_GATHER=drain_own`` issues only the waited handle's stage 2 (the
-per-rank order), ``stage2_early`` issues stage 2 without waiting for stage 1: tests must see each fail.
+same stage 2s on every rank. The tests put each rule's violation back (``fcdp_lab/sabotage/params.py``: only the
+waited handle's stage 2, in the per-rank order; stage 2 without waiting for stage 1) and must see each fail.
 
 On an accelerator with streams nothing here runs: stage 1 is enqueued on the gather stream and stage 2 right
 after it, stream-ordered without a host wait ([Note: streams] in ``gather.py``).
@@ -32,25 +32,8 @@ import torch
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed import faults
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import attributed_to, current_sinks
-
-BREAK_ENV = "FCDP_BREAK_GATHER"
-#: Test-only: ``"RANK:SECONDS"`` delays that rank's issue of every stage 1 (skew, so that a read before
-#: completion shows).
-DELAY_ENV = "FCDP_STAGE1_DELAY"
-BREAKS = ("drain_own", "stage2_early")
-
-
-def gather_broken(what: str) -> bool:
-    """Whether ``FCDP_BREAK_GATHER`` names ``what`` (test-only; read at every call)."""
-    return faults.named_broken(BREAK_ENV, BREAKS, what)
-
-
-def stage1_delay() -> None:
-    """Test-only skew (``FCDP_STAGE1_DELAY``): sleep before this rank issues a stage 1."""
-    faults.rank_skew(DELAY_ENV, dist.get_rank())
 
 
 @dataclass(eq=False)
@@ -66,8 +49,6 @@ class Deferred:
     stage1: Any
     #: Stage 1 was issued at the previous step's end (``runahead.py``): its wait is the timeline's push wait.
     pushed: bool = False
-    #: Test-only (``FCDP_BREAK_PUSH=read_early``): stage 2 does not wait for stage 1.
-    early: bool = False
     stage2: Any = None
     #: The engines' counters the fetch that queued it counted into (``stats.current_sinks``): stage 2 is issued
     #: later, inside DeepSpeed's wait, and is still that engine's collective.
@@ -76,7 +57,7 @@ class Deferred:
     def wait(self) -> None:
         self.queue.drain(self)
         self.stage2.wait()
-        if self.stage1 is not None:  # only the broken variants leave it unwaited: complete before the buffer dies
+        if self.stage1 is not None:  # a stage 2 issued without the wait: stage 1 completes before its buffer dies
             self.stage1.wait()
 
 
@@ -89,10 +70,9 @@ class StageTwo:
     pending: deque = field(default_factory=deque)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def add(self, flat: torch.Tensor, bundle: torch.Tensor, stage1: Any, pushed: bool = False,
-            early: bool = False) -> Deferred:
+    def add(self, flat: torch.Tensor, bundle: torch.Tensor, stage1: Any, pushed: bool = False) -> Deferred:
         """Queue the stage 2 of a gather whose stage 1 was issued (in issue order)."""
-        entry = Deferred(self, flat, bundle, stage1, pushed, early, sinks=current_sinks())
+        entry = Deferred(self, flat, bundle, stage1, pushed, sinks=current_sinks())
         with self._lock:
             self.pending.append(entry)
         return entry
@@ -102,10 +82,6 @@ class StageTwo:
         with self._lock:
             if upto.stage2 is not None:
                 return
-            if gather_broken("drain_own"):  # test-only: the per-rank order of DeepSpeed's waits
-                self.pending.remove(upto)
-                self._issue(upto)
-                return
             while self.pending:
                 entry = self.pending.popleft()
                 self._issue(entry)
@@ -113,12 +89,17 @@ class StageTwo:
                     return
 
     def _issue(self, entry: Deferred) -> None:
-        if entry.stage1 is not None and not entry.early and not gather_broken("stage2_early"):
-            if entry.pushed:
-                with timeline.waiting(timeline.Phase.PUSH_WAIT, self.clock):
-                    entry.stage1.wait()
-            else:
-                entry.stage1.wait()
-            entry.stage1 = None
+        if entry.stage1 is not None:
+            self.wait_stage1(entry)
         with attributed_to(entry.sinks):
             entry.stage2 = dist.allgather_fn(entry.flat, entry.bundle, group=self.node_group, async_op=True)
+
+    def wait_stage1(self, entry: Deferred) -> None:
+        """Stage 1 of ``entry`` complete before its stage 2 reads the bundle (never read before complete); a stage 1
+        issued ahead (``runahead.py``) is waited for in the timeline's push wait."""
+        if entry.pushed:
+            with timeline.waiting(timeline.Phase.PUSH_WAIT, self.clock):
+                entry.stage1.wait()
+        else:
+            entry.stage1.wait()
+        entry.stage1 = None

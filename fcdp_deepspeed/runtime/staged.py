@@ -24,8 +24,8 @@ Streams (see [Note: streams] in ``gather.py`` for the issuing, gather and waitin
   stage 1 (``async_op=False``: on the current stream from torch 2.8, no host wait), copies the bundle into the
   stash and records the stash's event;
 - the *gather* stream waits for that event before it copies the stash into the fetch's flat buffer (never read
-  before complete: ``FCDP_BREAK_PUSH=read_early`` skips the wait and strict mode's stream model names the read),
-  then issues stage 2; the stash is dropped only once that copy is known complete on the host (:class:`Stashes`,
+  before complete: :meth:`StreamAhead.stash_ready`; a test that skips it must see the stream-order model name the
+  read), then issues stage 2; the stash is dropped only once that copy is known complete on the host (:class:`Stashes`,
   [Note: deferred release] in ``storage/cache.py``).
 
 Freshness is the run-ahead's own: every invalidation drops the pending groups it names before a fetch can take
@@ -116,7 +116,7 @@ class StreamAhead:
         self.stashes.reap()
         return Staged(stash, event, part, self.stashes)
 
-    def stage2(self, staged: Staged, read_early: bool = False) -> tuple[torch.Tensor, Any]:
+    def stage2(self, staged: Staged) -> tuple[torch.Tensor, Any]:
         """A new flat buffer (issuing stream) and, on the gather stream, the stash copied into its bundle after the
         stash's event, then stage 2: ``(flat, stage 2's work)``."""
         gather, part = self.gather, staged.part
@@ -126,13 +126,19 @@ class StreamAhead:
         with device.stream(gather.stream):
             device.wait_stream(issuing)  # the flat buffer's allocation
             device.record_stream(flat)
-            if not read_early:  # test-only: FCDP_BREAK_PUSH=read_early
-                device.wait_event(staged.event)
+            self.stash_ready(staged)
             device.to_accel(staged.stash, out=bundle)
             self.stashes.retire(staged.stash, device.record_event())
             work = dist.allgather_fn(flat, bundle, group=gather.node_group, async_op=True)
         self.stashes.reap()  # the stashes whose copies are done (never this one before its copy ran)
         return flat, work
+
+
+    @staticmethod
+    def stash_ready(staged: Staged) -> None:
+        """The current stream waits for ``staged``'s stage 1 and its copy into the stash (never read before
+        complete)."""
+        device.wait_event(staged.event)
 
 
 def copy_partitions(params: list, mine: torch.Tensor, *written: Any) -> torch.Tensor:

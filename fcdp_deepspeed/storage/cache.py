@@ -355,8 +355,6 @@ class NodeCache:
                 return
             if entry.state is EntryState.FILLED and not has_been_updated:
                 return
-            if entry.state is EntryState.FILLED and faults.invalidation_broken("refresh"):
-                return  # test-only (FCDP_BREAK_INVALIDATION=refresh): the slot keeps the old value
             # the slot holds what the full tensor holds: the partitions it was gathered from, or the edit just made
             taken = freshness.stamp(param) if has_been_updated else freshness.gathered_stamp(param)
             self._fill(entry, refresh=has_been_updated and entry.state is EntryState.FILLED, taken=taken)

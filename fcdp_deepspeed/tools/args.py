@@ -86,3 +86,19 @@ def number_list(item: Callable[[str], Any]) -> Callable[[str], list]:
 def plural(n: int, word: str) -> str:
     """``"1 node"``, ``"2 nodes"`` (the same as ``fcdp_deepspeed.reporting.stats.plural``, without torch)."""
     return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+#: ``[project.urls]`` labels, in the order a user looking for the documentation wants them.
+_URL_ORDER = ("documentation", "docs", "homepage", "home", "repository", "source")
+
+
+def project_url() -> str:
+    """The project's URL from the installed package's metadata (``[project.urls]`` in ``pyproject.toml``): where an
+    installed user finds the documentation, which a wheel does not ship (``docs/`` is the checkout's)."""
+    from importlib import metadata
+    try:
+        entries = metadata.metadata("fcdp-deepspeed").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        entries = []
+    urls = {label.strip().lower(): url.strip() for label, _, url in (e.partition(",") for e in entries) if url.strip()}
+    return next((urls[k] for k in _URL_ORDER if k in urls), next(iter(urls.values()), ""))

@@ -21,6 +21,10 @@ def usage() -> str:
     lines = ["usage: fcdp {doctor,plan,configs} [options]   (fcdp COMMAND --help for its options)",
              "       fcdp --version", ""]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    from fcdp_deepspeed.tools.args import project_url
+    url = project_url()
+    if url:
+        lines += ["", f"documentation: {url}"]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """``fcdp doctor``: is FCDP installed and on in this environment, and what would this config do?
 
     fcdp doctor                                   # the installation only
-    fcdp doctor ds_config.json --nodes 4 --ranks-per-node 8
+    fcdp doctor ds_config.json --nodes 4 --ranks-per-node 8     # or --config ds_config.json
 
 Checks, each ``ok``, ``WARN`` or ``FAIL`` with what to do about it: the installed torch and DeepSpeed and
 whether the version gate admits them; whether the startup file (``fcdp_deepspeed_autoload.pth``) is
@@ -94,7 +94,8 @@ def startup_checks() -> list[Check]:
     dirs = [d for d in site.getsitepackages() + [site.getusersitepackages()] if d]
     found = [d for d in dirs if os.path.exists(os.path.join(d, PTH))]
     fallback = ("call fcdp_deepspeed.install() before building the model, or launch with "
-                "`python -m fcdp_deepspeed.run train.py ...` (docs/activation.md)")
+                f"`python -m fcdp_deepspeed.run train.py ...` (activation in the documentation: "
+                f"{checks.project_url() or 'docs/integrations.md of the source'})")
     out = []
     if found:
         out.append(Check("startup", "ok", f"startup file {PTH} in {found[0]}"))
@@ -139,17 +140,40 @@ def config_checks(path: str) -> tuple[list[Check], Optional[dict]]:
     return out + block_checks(dict(cfg)), dict(cfg)
 
 
+def _zero_keys() -> list[str]:
+    """Every key DeepSpeed's ``zero_optimization`` accepts (field names and their aliases)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return sorted({k for name, f in DeepSpeedZeroConfig.model_fields.items() for k in (name, f.alias) if k})
+
+
+def _zero_problem(e: dict) -> Check:
+    """One of pydantic's errors of DeepSpeed's ``zero_optimization`` model as a FAIL naming the key and the fix."""
+    loc = ".".join(str(p) for p in e.get("loc") or ())
+    key, value, msg = f"zero_optimization.{loc}" if loc else "zero_optimization", e.get("input"), e.get("msg", "")
+    if e.get("type") == "extra_forbidden":
+        import difflib
+        near = difflib.get_close_matches(loc.split(".")[-1], _zero_keys(), n=1, cutoff=0.6)
+        return Check("deepspeed", "FAIL", f"{key} = {value!r}: DeepSpeed knows no such key"
+                     f"{f' (did you mean {near[0]!r}?)' if near else ''}; deepspeed.initialize refuses the config",
+                     f"rename it to zero_optimization.{near[0]}" if near else
+                     "remove it (the keys DeepSpeed accepts: deepspeed.ai/docs/config-json)")
+    if loc == "stage":
+        return Check("deepspeed", "FAIL", f"{key} = {value!r}: {msg}; deepspeed.initialize refuses the config",
+                     "set zero_optimization.stage to 3, a JSON number (FCDP runs on ZeRO stage 3)")
+    return Check("deepspeed", "FAIL", f"{key} = {value!r}: {msg}; deepspeed.initialize refuses the config",
+                 f"set {key} to a value DeepSpeed accepts ({msg[:1].lower() + msg[1:]}), or remove it for the "
+                 f"default")
+
+
 def deepspeed_checks(cfg: dict) -> list[Check]:
-    """DeepSpeed's own validation of ``zero_optimization``, one FAIL per bad key (never a traceback)."""
-    from deepspeed.runtime.zero.config import get_zero_config
-    from pydantic import ValidationError
+    """DeepSpeed's own validation of ``zero_optimization``, one FAIL per bad key naming it and the fix (never a
+    traceback: ``fcdp doctor`` is where a user finds out what ``deepspeed.initialize`` would refuse)."""
     try:
+        from deepspeed.runtime.zero.config import get_zero_config
+        from pydantic import ValidationError
         get_zero_config(dict(cfg))
     except ValidationError as err:
-        return [Check("deepspeed", "FAIL", f"zero_optimization.{'.'.join(str(p) for p in e.get('loc') or ())} = "
-                      f"{e.get('input')!r}: {e.get('msg')} (DeepSpeed refuses this config at deepspeed.initialize)",
-                      "fix the key as DeepSpeed's message says (docs: deepspeed.ai/docs/config-json)")
-                for e in err.errors()]
+        return [_zero_problem(e) for e in err.errors()]
     except Exception as err:  # [Note: doctor reports, never crashes: whatever DeepSpeed raises is the finding]
         return [Check("deepspeed", "FAIL", f"zero_optimization: DeepSpeed refuses it: {type(err).__name__}: {err}",
                       "fix the zero_optimization block as the message says")]
@@ -216,6 +240,13 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     from fcdp_deepspeed.storage import memory
 
     block = parse_fcdp_config(cfg)
+    layout = f"{plural(nodes, 'node')} x {plural(ranks_per_node, 'rank')} per node"
+    if block.diloco is not None:  # the engine's own words (announce.diloco_line): no cache, nothing cross-node
+        from fcdp_deepspeed.engine.announce import DILOCO_NO_CACHE, diloco_words
+        return {"layout": layout, "mode": f"LOSSY DiLoCo across {plural(nodes, 'node')}: {diloco_words(block.diloco)}",
+                "cache": DILOCO_NO_CACHE, "param_gather": "inside each node only (ZeRO-3 over the node's ranks)",
+                "grad_reduce": "inside each node only; the nodes exchange pseudo-gradients at each outer sync",
+                "compression": f"LOSSY (DiLoCo), pseudo-gradients fcdp.diloco.compression {block.diloco.compression}"}
     ga = cfg.get("gradient_accumulation_steps")
     ga = ga if isinstance(ga, int) and not isinstance(ga, bool) and ga >= 1 else 1
     grads = resolve_grad_plan(block.grad_reduce, block.grad_accumulation, nodes, ranks_per_node, ga,
@@ -229,7 +260,7 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     cache = ("none: one node, nothing to save across nodes" if nodes == 1 else
              f"cache_device {block.cache_device}, host budget {fmt_bytes(host_node)} per node on this machine "
              f"({block.host_budget!r} of {limit.describe()}), {fmt_bytes(host_node // ranks_per_node)} per rank")
-    return {"layout": f"{plural(nodes, 'node')} x {plural(ranks_per_node, 'rank')} per node", "cache": cache,
+    return {"layout": layout, "cache": cache,
             "param_gather": block.resolved_param_gather(nodes, ranks_per_node),
             "grad_reduce": f"{grads.grad_reduce} ({grads.reduce_reason})", "grad_accumulation": accumulation,
             "compression": compression_words(block)}
@@ -247,9 +278,15 @@ def run(config: Optional[str], nodes: Optional[int], ranks_per_node: Optional[in
         results += more
         block = (cfg or {}).get("fcdp") if isinstance((cfg or {}).get("fcdp"), dict) else {}
         L = ranks_per_node or block.get("ranks_per_node")
-        if cfg is not None and not any(c.status == "FAIL" and c.area == "block" for c in results):
+        if cfg is not None and not any(c.status == "FAIL" and c.area in ("config", "block", "deepspeed")
+                                       for c in results):
             if nodes and isinstance(L, int) and L >= 1:
-                plan = resolved_plan(cfg, nodes, L)
+                try:
+                    plan = resolved_plan(cfg, nodes, L)
+                except Exception as err:  # [Note: doctor reports, never crashes]
+                    results.append(Check("plan", "FAIL", f"resolving the plan for {nodes} x {L} raised "
+                                         f"{type(err).__name__}: {err}", "fix what the message names; please report "
+                                         "it if the config is valid"))
             else:
                 results.append(Check("plan", "WARN", "no layout given: the plan is not shown",
                                      "add --nodes N --ranks-per-node L (the job's layout)"))
@@ -259,11 +296,16 @@ def run(config: Optional[str], nodes: Optional[int], ranks_per_node: Optional[in
 def main(argv: Optional[list[str]] = None) -> int:
     ap = checks.parser("fcdp doctor", __doc__)
     ap.add_argument("config", nargs="?", help="a DeepSpeed config (JSON/HJSON) to check")
+    ap.add_argument("--config", dest="config_option", metavar="CONFIG",
+                    help="the same, as `fcdp plan --config` takes it")
     ap.add_argument("--nodes", type=checks.whole(1), help="N, nodes of the job (for the plan)")
     ap.add_argument("--ranks-per-node", type=checks.whole(1), help="L, ranks per node (default: the block's "
                                                                     "ranks_per_node)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
+    if args.config and args.config_option and args.config != args.config_option:
+        ap.error(f"two configs given ({args.config} and --config {args.config_option}): give one")
+    args.config = args.config or args.config_option
     results, plan = run(args.config, args.nodes, args.ranks_per_node)
     failed = sum(c.status == "FAIL" for c in results)
     warned = sum(c.status == "WARN" for c in results)

@@ -60,7 +60,7 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                # waited for where it is issued, DeepSpeed's bucket size: one bucket for the bench model)
                "fcdp_node_syncgrad": {"grad_accumulation": "node", "grad_inflight_buckets": 0, "grad_bucket_size": 0}}
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
-#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): time whole sync intervals (``--steps`` a multiple of H).
+#: Lossy DiLoCo across nodes (issue 32, docs/diloco.md): time whole sync intervals (``--steps`` a multiple of H).
 DILOCO_ENGINES = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
                   "diloco100_int4": {"sync_every": 100, "compression": "int4"},
                   # streaming: one fifth of the model every 2 steps, each exchange overlapped with the next step

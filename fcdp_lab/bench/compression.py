@@ -141,7 +141,7 @@ class PresetPart:
 #: within each, in fresh processes).
 PRESETS: dict[str, dict[str, PresetPart]] = {
     "compression": {
-        # bytes are kernel-counted and timing-independent: one repeat, two timed steps (as docs/BENCHMARKS.md's
+        # bytes are kernel-counted and timing-independent: one repeat, two timed steps (as docs/benchmarks.md's
         # parameter-gather runs)
         "bytes": PresetPart({"layouts": ["2x2", "2x4", "4x2"], "rates_mbit": [100], "jobs": ["full"],
                              "grad_accums": [1, 4], "engines": ["fcdp_node", "fcdp_int8", "fcdp_int4"], "warmup": 1,

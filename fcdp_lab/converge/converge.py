@@ -17,10 +17,10 @@ measures the weights the compressed replicas compute with), on all held-out text
 end every rank hashes the full model two ways (``tools/converge/model_hash.py``); the run fails the check unless
 all ranks agree bit for bit.
 
-Results: ``converge_results.json`` (one record per setting, rewritten as each setting finishes: an
+Results: ``converge.json`` (one record per setting, rewritten as each setting finishes: an
 interrupted sweep resumes where it stopped, and a setting whose spec changed is rerun),
 ``converge.png`` (held-out loss against steps and against cumulative inter-node bytes) and
-``converge.md`` (the summary table) in ``--out``.
+``converge-table.txt`` (the summary table, markdown) in ``--out``.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 #: Setting name -> (param_compression, grad_compression).
 SETTINGS = {"exact": ("off", "off"), "int8": ("int8", "int8"), "int4": ("int4", "int4"),
             "pint8": ("int8", "off"), "pint4": ("int4", "off"), "gint8": ("off", "int8"), "gint4": ("off", "int4")}
-#: Lossy DiLoCo across nodes (issue 32, docs/DILOCO.md): the swept setting names. Each is ``diloco{H}`` with
+#: Lossy DiLoCo across nodes (issue 32, docs/diloco.md): the swept setting names. Each is ``diloco{H}`` with
 #: optional suffixes (:func:`diloco_block`), so probes name their own outer settings (``diloco10_lr1_mom0``).
 DILOCO_SETTINGS = ("diloco10", "diloco10_int4", "diloco50", "diloco50_int4")
 SETTINGS |= {name: ("off", "off") for name in DILOCO_SETTINGS}
@@ -91,7 +91,7 @@ DTYPES = ("fp32", "bf16")
 #: Seconds per optimizer step and per setting's launch, evaluations and hashes, at the default sizes on the
 #: project's quiet 2-core machine. [Note: estimate] Not measured quietly: on the shared machine a step cost
 #: 3.1-3.9x (fp32) and 2.1x (bf16) the CPU time of the bench's MLP step in the same processes, and that step
-#: took about 0.18 s on the quiet machine (docs/BENCHMARKS.md). Only the first estimate of a sweep uses
+#: took about 0.18 s on the quiet machine (docs/benchmarks.md). Only the first estimate of a sweep uses
 #: these; each finished setting's measured time replaces them.
 EST_STEP_S = {"fp32": 0.65, "bf16": 0.4}
 EST_LAUNCH_S = 35.0
@@ -362,7 +362,7 @@ def _estimate(spec: ConvergeSpec, pending: list[tuple[str, str]], done: list[dic
 
 def run_converge(spec: ConvergeSpec, out_dir: Path, *, fresh: bool = False, netns: bool = True,
                  log=print) -> list[dict]:
-    """Every (dtype, setting) of ``spec`` not already in ``out_dir/converge_results.json`` with the same spec."""
+    """Every (dtype, setting) of ``spec`` not already in ``out_dir/converge.json`` with the same spec."""
     from fcdp_lab.converge import report as converge_report
     from fcdp_lab.harness.launch import run_local
 
@@ -428,7 +428,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--regime", choices=["large", "default"], default=d.regime)
     ap.add_argument("--compression-block", type=int, default=d.compression_block)
-    ap.add_argument("--out", default="docs", help="directory of converge_results.json, converge.png, converge.md")
+    ap.add_argument("--out", default="docs/results/compression", help="directory of converge.json, converge.png, converge-table.txt")
     ap.add_argument("--fresh", action="store_true", help="rerun every setting, ignoring recorded ones")
     ap.add_argument("--no-netns", action="store_true",
                     help="simulate the nodes with ranks_per_node instead of network namespaces (no root; "

@@ -80,8 +80,10 @@ def _replicas(s: converge.ConvergeSpec, setting: str, base: torch.nn.Module, lr:
 @torch.no_grad()
 def outer_sync(replicas: list[Replica], outer: list, momentum: list, block: dict) -> None:
     """``diloco/outer.py``'s step on the replicas' mean pseudo-gradient; every replica := the new outer values."""
-    lr, mu = block.get("outer_lr", 0.7), block.get("outer_momentum", 0.9)
-    nesterov = block.get("nesterov", True)
+    from fcdp_deepspeed.config.diloco import DiLoCoConfig
+    defaults = DiLoCoConfig()  # the engine's defaults for what the setting name leaves out
+    lr, mu = block.get("outer_lr", defaults.outer_lr), block.get("outer_momentum", defaults.outer_momentum)
+    nesterov = block.get("nesterov", defaults.nesterov)
     params = [list(r.model.parameters()) for r in replicas]
     for i, o in enumerate(outer):
         g = sum(o - ps[i] for ps in params) / len(params)

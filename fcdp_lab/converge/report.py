@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-RESULTS = "converge_results.json"
+RESULTS = "converge.json"
 PLOT = "converge.png"
-SUMMARY = "converge.md"
+SUMMARY = "converge-table.txt"  # the markdown table, to paste into docs/benchmarks.md
 #: Issue 23: a compressed setting's final held-out loss at most this multiple of exact FCDP's.
 LOSS_RATIO_TARGET = 1.01
 

@@ -5,7 +5,7 @@ Each config names its comparison:
 
 - ``exact``: bit for bit equal to ZeRO-3 (FCDP with ZeRO-3's gradient path, ``flat``/``rank``);
 - ``close``: within the documented tolerance of ZeRO-3 (the default gradient modes reorder sums,
-  docs/gradient-defaults.md; ``RTOL`` as in tests/test_grads.py) in sequences that train with SGD, and
+  docs/how-it-works.md; ``RTOL`` as in tests/test_grads.py) in sequences that train with SGD, and
   like ``lockstep`` in those that train with Adam ([Note: Adam and the tolerance]);
 - ``lockstep``: only consistent across ranks (every rank sees the same weights and outputs) and with
   its own cache; for lossy configs (compression) that are not meant to equal ZeRO-3.

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.faults import BREAK_ENV
 from fcdp_deepspeed.storage import freshness
+from fcdp_lab.sabotage import params as sabotage
 
 #: Sequences between full garbage collections ([Note: gc.freeze]).
 FULL_GC_EVERY = 8
@@ -87,6 +87,8 @@ class _Session:
         self.seq: Optional[events.Sequence] = None
         self.probe = False
         self.ended = 0
+        #: Undoes the broken variants of the sequence running (``sabotage.params.apply``).
+        self.restore = lambda: None
 
     def run(self, cmd: dict) -> dict:
         from fcdp_lab.fuzz.checks import check
@@ -96,10 +98,8 @@ class _Session:
             # UNCHECKED (lab-only): the check at use skipped, so a broken listener serves its stale copy
             freshness.is_current = _never_stale if UNCHECKED in named else _CHECKED
             named = [f for f in named if f != UNCHECKED]
-            if named:
-                os.environ[BREAK_ENV] = ",".join(named)
-            else:
-                os.environ.pop(BREAK_ENV, None)
+            self.restore()
+            self.restore = sabotage.apply(",".join(named))  # until the sequence ends
             self.seq = self.events.Sequence.begin(cmd["config"])
             self.probe = bool(cmd["config"].get("probe", False))
             failures, digests = check(self.seq, "begin", {}, self.probe)
@@ -117,7 +117,8 @@ class _Session:
                 self.seq.end()
                 coverage = dict(self.seq.coverage)
             self.seq = None
-            os.environ.pop(BREAK_ENV, None)
+            self.restore()
+            self.restore = lambda: None
             self.ended += 1
             if self.ended % FULL_GC_EVERY == 0:
                 gc.collect()

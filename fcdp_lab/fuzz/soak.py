@@ -1,7 +1,7 @@
 """``python -m fcdp_lab soak``: hundreds of random event sequences against ZeRO-3, and every broken invalidation.
 
 Runs on one rank server (4 CPU ranks, 2 nodes x 2): chunks of clean sequences (every engine kind), each
-chunk one seeded hypothesis search, then searches with each ``FCDP_BREAK_INVALIDATION`` variant. Every
+chunk one seeded hypothesis search, then searches with each ``invalidation.*`` broken variant. Every
 search is appended to the results file (JSON lines) and the figures table of ``docs/reliability.md`` is
 rewritten from the whole file. A failing chunk prints its seed, the minimal sequence and the command that
 reruns exactly that chunk::
@@ -24,14 +24,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional
 
-from fcdp_deepspeed.faults import INVALIDATION_PATHS
+from fcdp_lab.sabotage.params import PATCHES
 
-ROOT = Path(__file__).resolve().parents[3]
-RESULTS = ROOT / "docs" / "reliability_results.jsonl"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs/results/reliability/soak.jsonl"
 TABLE = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- soak-table:begin -->", "<!-- soak-table:end -->"
-#: Every single switch, and the pair that leaves the optimizer step without any invalidation.
-FAULT_VARIANTS = (*INVALIDATION_PATHS, "optimizer_write,step_end")
+#: The dropped accumulation window at a checkpoint event: shows under the default gradient modes only.
+WINDOW = "invalidation.checkpoint_window"
+#: Every single ``invalidation.*`` variant (``fcdp_lab/sabotage/params.py``), and the pair that leaves the optimizer
+#: step without any invalidation.
+FAULT_VARIANTS = (*(name for name in PATCHES if name.startswith("invalidation.")),
+                  "invalidation.optimizer_write,invalidation.step_end")
 
 
 def _commit() -> str:
@@ -84,8 +88,7 @@ def table(records: list[dict]) -> str:
     events = Counter()
     for r in clean:
         events.update(r["event_counts"])
-    lines = [f"Results file: `docs/reliability_results.jsonl` ({len(records)} searches from {len(runs)} soak runs; "
-             f"the last on {runs[-1] if runs else '-'}).", "",
+    lines = [f"Results file: `docs/results/reliability/soak.jsonl` ({len(records)} searches from {len(runs)} soak runs).", "",
              "| searches | faults | sequences run (shrinking included) | events | searches that failed | "
              "sequences to the "
              "first failure (median) | seconds to it (median) | minimal sequence, steps (median) |",
@@ -134,7 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seeds", default="", help="comma-separated seeds of the clean chunks (default: random)")
     ap.add_argument("--faults", default="all",
                     help="fault variants to search after the clean chunks: all, none, or a ;-separated list "
-                         f"of FCDP_BREAK_INVALIDATION values (default all: {'; '.join(FAULT_VARIANTS)})")
+                         f"of FCDP_LAB_BREAK values (default all: {'; '.join(FAULT_VARIANTS)})")
     ap.add_argument("--fault-searches", type=int, default=3, help="seeded searches per fault variant (default 3)")
     ap.add_argument("--fault-chunk", type=int, default=40, help="sequences per fault search at most (default 40)")
     ap.add_argument("--shrink-seconds", type=float, default=60.0, help="shrinking budget per failure (default 60)")
@@ -175,9 +178,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for _ in range(args.fault_searches):
                 seed = rng.randrange(2**31)
                 # the dropped window shows under the default gradient modes (node accumulation), not the exact path
-                kinds = ("zero3", "fcdp_defaults") if fault == "checkpoint_window" else EXACT_ENGINES
+                kinds = ("zero3", "fcdp_defaults") if fault == WINDOW else EXACT_ENGINES
                 # a deleted listener alone costs a refetch (the check at use): the broken variant skips that check too
-                named = fault if fault == "checkpoint_window" else f"{fault},{UNCHECKED}"
+                named = fault if fault == WINDOW else f"{fault},{UNCHECKED}"
                 result = search(server, engines=kinds, faults=named, max_examples=args.fault_chunk,
                                 steps=args.steps, seed=seed, shrink_seconds=args.shrink_seconds)
                 rec = _record(args.results, result, "fault", args.fault_chunk, args.steps, run_id)

@@ -183,7 +183,7 @@ def multi_gpu_case(results: list[dict], per_node: int) -> CaseResult:
             err = rel(run[name]["losses"], run["zero3_ga2"]["losses"])
             res.check(f"rank {r} {name}: losses within 1e-5 of ZeRO-3 (fp32)", err <= 1e-5, f"max rel {err:.2e}")
         res.numbers[f"rank{r}_bf16_max_rel_loss_diff"] = rel(run["host_bf16"]["losses"], run["zero3_bf16"]["losses"])
-    for r, run in enumerate(results):  # the two-stage gather on NCCL: see docs/GPU-check.md
+    for r, run in enumerate(results):  # the two-stage gather on NCCL: see docs/gpu.md
         timeline = run["host"].get("gather_timeline") or {}
         waits = timeline.get("host_stage1_wait_us") or []
         res.numbers[f"rank{r}_gather_timeline"] = timeline

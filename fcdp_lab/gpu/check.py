@@ -18,7 +18,7 @@ Each case runs in its own process (:func:`~fcdp_lab.harness.launch.run_local`) a
 - ``e_host_memory``: pinning time and pinned bytes against the cgroup's ``memory.current``; host-to-device
   GB/s, pinned and pageable, with every local GPU's rank copying at once.
 - ``f_codec``: the inter-node codec's torch ops on the device: deterministic, within its error, the same bytes and
-  bits as the CPU's or not, device and host-issue time per call at bucket-sized rows (``tools/gpu/codec.py``).
+  bits as the CPU's or not, device and host-issue time per call at bucket-sized rows (``fcdp_lab/gpu/codec.py``).
 (a) also warms up two communicators as FCDP does at attach and reports the memory each took.
 
 ``dry_run=True`` runs (a) on gloo and (b) on the CPU accelerator: the logic, not the device.

@@ -132,7 +132,7 @@ def reserved_by_stream(on_gpu: bool) -> dict[str, int]:
     """The caching allocator's segments (reserved bytes) by the stream they belong to, named where the stream is
     the current one or one of FCDP's side streams (``device.side_stream``); a block freed on one stream is reused
     only by allocations on that stream, so memory spread over streams is reserved memory that the others cannot
-    take (the open reserved overshoot of the H200 runs, GPU-check.md). Read after the steps: nothing was handed
+    take (the open reserved overshoot of the H200 runs, gpu.md). Read after the steps: nothing was handed
     back since, so it is the reserved peak's layout. Empty on the CPU accelerator."""
     if not on_gpu:
         return {}

@@ -6,8 +6,9 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-#: This package's directory: frames under it are FCDP's call sites.
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The checkout; frames under its plugin or its lab are FCDP's call sites.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OWN_DIRS = tuple(os.path.join(ROOT, name) + os.sep for name in ("fcdp_deepspeed", "fcdp_lab"))
 
 
 @dataclass
@@ -37,12 +38,12 @@ class CaseResult:
 
 
 def call_site(exc: BaseException) -> str:
-    """The exception and the innermost frame of this package that led to it."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(PACKAGE_DIR + os.sep)]
+    """The exception and the innermost frame of FCDP's code (the plugin or the lab) that led to it."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(OWN_DIRS)]
     where = ""
     if frames:
         f = frames[-1]
-        where = f" at {os.path.relpath(f.filename, os.path.dirname(PACKAGE_DIR))}:{f.lineno} ({f.line})"
+        where = f" at {os.path.relpath(f.filename, ROOT)}:{f.lineno} ({f.line})"
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"
 
 

@@ -3,7 +3,7 @@
 The sanitizer (``torch.cuda._sanitizer``) records, for every CUDA kernel, which device memory it reads and
 writes and on which stream, and raises ``CUDASanitizerErrors`` with both stack traces when two streams touch
 the same memory without an event or stream wait between them: on real streams what the CPU suite's
-stream-order model checks on fake ones (``fcdp_deepspeed/machine/strict_streams.py``). It does not see host memory,
+stream-order model checks on fake ones (``fcdp_lab/strict/strict_streams.py``). It does not see host memory,
 so a host read of a pinned slot before its copy finished stays the CPU model's (and verify mode's) to catch.
 Same fake world of 4 as case (b), a small model: plain ZeRO-3, then FCDP with host slots (fills on the fill
 stream, staged hits on the copy stream) and with the host node buffer (its round trip on its own stream, the
@@ -29,7 +29,7 @@ from fcdp_lab.gpu.report import CaseResult
 def _fcdp_frames(text: str) -> list[str]:
     """Lines of a sanitizer report that name FCDP's core (the tools excluded)."""
     return [line.strip() for line in text.splitlines()
-            if "fcdp_deepspeed/" in line and "fcdp_deepspeed/tools/" not in line]
+            if "fcdp_deepspeed/" in line and "fcdp_lab/" not in line]
 
 
 def error_text(exc: BaseException) -> str:

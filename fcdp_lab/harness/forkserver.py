@@ -28,9 +28,12 @@ from typing import Mapping, Optional, Sequence
 #: Set to ``0`` to spawn every rank (``python -m fcdp_lab.harness._worker``) instead of forking.
 FORKSERVER_ENV = "FCDP_FORKSERVER"
 #: Variables that differ between the ranks of one run or between runs and are read when the rank runs,
-#: not at import: they do not pick the server. (PYTEST_CURRENT_TEST changes with every test.)
+#: not at import: they do not pick the server, and the server never has them. (PYTEST_CURRENT_TEST changes with
+#: every test. FCDP_LAB_BREAK names a run's broken variants: ``fcdp_lab/startup.py`` would patch a server started
+#: with it, and every rank forked from it later would inherit the patch; each rank installs its own, in
+#: ``_worker.main``.)
 PER_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-            "PYTEST_CURRENT_TEST")
+            "PYTEST_CURRENT_TEST", "FCDP_LAB_BREAK")
 #: Starts every line of the server's protocol on its stdout (replies ``ready``/``pid N``/``refused: why``,
 #: reports ``exit PID CODE``); other lines are output of the modules it imports.
 MARK = "fcdp-forkserver: "

@@ -6,7 +6,7 @@ points (node, step, phase: :mod:`~fcdp_lab.reliability.killpoint`). Each job mus
 the uninterrupted run, bit for bit, resume from the checkpoint predicted for its kill points
 (:func:`expected_resume`) and redo exactly the steps since it. Resizes: each mode's 2 x 2 checkpoint
 converted with DeepSpeed's universal tool and resumed at 1 x 2, 2 x 1 and 4 x 2 against plain ZeRO-3 doing
-the same. Results go to ``docs/reliability_results.json`` and the figures table of docs/reliability.md.
+the same. Results go to ``docs/results/reliability/restarts.json`` and the figures table of docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def table(trials: list[Trial], meta: dict) -> str:
                 f"network namespace or temporary directory left behind.")
     return "\n".join(rows) + (f"\n\n(`bash scripts/reliability.sh`, seed {meta['seed']}, {meta['date']}: "
                               f"{meta['wall_s'] / 60:.0f} minutes on the 2-core machine shared with other jobs; every "
-                              f"job: docs/reliability_results.json.)")
+                              f"job: docs/results/reliability/restarts.json.)")
 
 
 def update_doc(doc: Path, text: str) -> None:
@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--no-resizes", action="store_true")
     ap.add_argument("--failure-modes", action="store_true",
                     help="also the two jobs that must fail: plain ZeRO-3 killed in save on node 1, torch's shared store")
-    ap.add_argument("--json", default=str(resize.ROOT / "docs" / "reliability_results.json"))
+    ap.add_argument("--json", default=str(resize.ROOT / "docs/results/reliability/restarts.json"))
     ap.add_argument("--doc", default=str(resize.ROOT / "docs" / "reliability.md"))
     ap.add_argument("--table-only", action="store_true", help="rewrite the doc's table from --json, run nothing")
     args = ap.parse_args(argv)

@@ -22,13 +22,13 @@ from typing import Optional
 
 from fcdp_lab.harness.launch import run_local
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_elastic.py"
 #: ``exact``: FCDP with ZeRO-3's gradient path (bit-identical); ``defaults``: the fcdp block as users write
 #: it (hierarchical reduction, node accumulation where it applies); ``plain``: DeepSpeed's ZeRO-3.
 MODES = ("exact", "defaults", "plain")
 EXACT_GRADS = {"grad_reduce": "flat", "grad_accumulation": "rank"}
-#: The gradient defaults' documented tolerance against ZeRO-3 (docs/gradient-defaults.md), relative.
+#: The gradient defaults' documented tolerance against ZeRO-3 (docs/how-it-works.md), relative.
 DEFAULTS_RTOL = 1e-5
 
 

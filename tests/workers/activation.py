@@ -52,11 +52,16 @@ def nothing_cached(case: str) -> dict:
     """An enabled engine whose cache gets no parameter; rank 0's ``fcdp:`` warnings and the stats.
 
     ``persistent``: DeepSpeed's default ``stage3_param_persistence_threshold`` (1e5 elements) keeps
-    every toy parameter gathered. ``budget``: ``host_budget: 0``.
+    every toy parameter gathered. ``budget``: ``host_budget: 0``. ``min_numel``: every parameter below
+    ``fcdp.min_numel``, the gradient modes left at their defaults.
     """
     installed = _init()
     log = LogCapture()
-    block = {"enabled": True, "ranks_per_node": 2, **ZERO3_GRADS, **({"host_budget": 0} if case == "budget" else {})}
+    block = {"enabled": True, "ranks_per_node": 2, **({"host_budget": 0} if case == "budget" else {})}
+    if case == "min_numel":  # every parameter below it; the gradient modes stay the defaults (hierarchical)
+        block["min_numel"] = 10**9
+    else:
+        block.update(ZERO3_GRADS)
     cfg = toy.ds_config(block, regime="large")
     if case == "persistent":
         del cfg["zero_optimization"]["stage3_param_persistence_threshold"]

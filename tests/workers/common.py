@@ -22,7 +22,7 @@ def setup(ranks_per_node: int = 2) -> None:
     fcdp_deepspeed.enable_comm_counting(ranks_per_node=ranks_per_node)
 
 
-#: ZeRO-3's own gradient path: the ``auto`` defaults reorder gradient sums on 2 x 2 (docs/gradient-defaults.md),
+#: ZeRO-3's own gradient path: the ``auto`` defaults reorder gradient sums on 2 x 2 (docs/how-it-works.md),
 #: so tests that compare with plain ZeRO-3 bit for bit pin these unless they name a gradient mode.
 ZERO3_GRADS = {"grad_reduce": "flat", "grad_accumulation": "rank"}
 
@@ -120,3 +120,12 @@ class GroupMPU:
 
     def get_tensor_model_parallel_src_rank(self):
         return self._tp_ranks[0]
+
+
+def lab_variants() -> dict:
+    """What this rank runs of the lab's broken variants (a worker of tests/test_forkserver.py): whether the run-ahead's
+    invalidation is patched (``push.skip_invalidation``), the environment that named it, and the parent process."""
+    import os
+    from fcdp_deepspeed.runtime.runahead import RunAhead
+    return {"patched": hasattr(RunAhead.cancel, "__wrapped__"), "named": os.environ.get("FCDP_LAB_BREAK", ""),
+            "ppid": os.getppid()}

@@ -20,9 +20,11 @@ from deepspeed import comm as dist
 
 import fcdp_deepspeed
 from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress import params as cparams, quant
+from fcdp_deepspeed.compress import quant
+from fcdp_deepspeed.runtime import compressed_gather as cparams
 from fcdp_deepspeed.runtime import compression as rcompression
 from fcdp_lab.harness import toy
+from fcdp_lab.sabotage.grads import applied
 from workers.common import LogCapture, fcdp_block, setup
 from workers.replicas import ReplicaHashes
 
@@ -162,17 +164,13 @@ def _result(engine, rec: Recorder, run: dict, weights: bool = True) -> dict:
 
 def run(name: str, compression: str = "off", steps: int = 4, kind: str = "", qmax: int = 0, lora_rank: int = 0,
         per_step=None, weights: bool = True, evaluate: bool = False, broken: str = "", **extra) -> dict:
-    """One engine's run; ``broken``: ``FCDP_BREAK_COMPRESSION`` while it runs (``fcdp_deepspeed/faults.py``)."""
-    if broken:
-        os.environ[faults.COMPRESSION_ENV] = broken
-    try:
-        with patched(kind):
-            engine = _engine(compression, lora_rank=lora_rank, **extra)
-            rec = Recorder(engine, qmax=qmax, block=extra.get("compression_block", 128))
-            out = _train(engine, rec, steps, per_step=per_step, evaluate=evaluate)
-            return _result(engine, rec, out, weights)
-    finally:
-        os.environ.pop(faults.COMPRESSION_ENV, None)
+    """One engine's run; ``broken``: a variant of ``fcdp_lab/sabotage/compression.py`` while it runs
+    (``reconstruction@1``: on rank 1 only)."""
+    with applied(f"compression.{broken}" if broken else ""), patched(kind):
+        engine = _engine(compression, lora_rank=lora_rank, **extra)
+        rec = Recorder(engine, qmax=qmax, block=extra.get("compression_block", 128))
+        out = _train(engine, rec, steps, per_step=per_step, evaluate=evaluate)
+        return _result(engine, rec, out, weights)
 
 
 def _freeze_after_build(engine, step: int) -> None:
@@ -227,13 +225,10 @@ def checkpoints(ckpt_dir: str, steps: int = 2) -> dict:
     plain.save_checkpoint(ckpt_dir, tag="off")
     for name, tag, extra in (("resumed", "int8", {}), ("from_off", "off", {}), ("other_block", "int8", {"compression_block": 64}),
                              ("resumed_wrong_share", "int8", {})):
-        if name == "resumed_wrong_share":  # the broken variant: bundles rebuilt from the wrong peers' rows
-            os.environ[faults.COMPRESSION_ENV] = "share"
-        try:
+        # the broken variant: bundles rebuilt from the wrong peers' rows
+        with applied("compression.share" if name == "resumed_wrong_share" else ""):
             fresh = _engine("int8", seed=77, **extra)
             fresh.load_checkpoint(ckpt_dir, tag=tag)
-        finally:
-            os.environ.pop(faults.COMPRESSION_ENV, None)
         rec = Recorder(fresh)
         out[name] = _result(fresh, rec, _train(fresh, rec, steps if name.startswith("resumed") else 1, seed=5),
                             weights=name.startswith("resumed"))

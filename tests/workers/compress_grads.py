@@ -15,12 +15,12 @@ from deepspeed import comm as dist
 from deepspeed.utils import safe_get_local_grad
 
 import fcdp_deepspeed
-from fcdp_deepspeed import faults
-from fcdp_deepspeed.compress import IdentityCodec, grads as compress_grads, quant
-from fcdp_deepspeed.compress.residual import ResidualStore
-from fcdp_deepspeed.grads import own_chunk_numel
+from fcdp_deepspeed.compress import IdentityCodec, quant
+from fcdp_deepspeed.grads import compressed as compress_grads, own_chunk_numel
 from fcdp_deepspeed.grads.inflight import Inflight
+from fcdp_deepspeed.grads.residual import ResidualStore
 from fcdp_lab.harness import toy
+from fcdp_lab.sabotage.grads import applied
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
 from workers.replicas import ReplicaHashes
@@ -236,8 +236,8 @@ def train(engine, sc: dict, seed: int = 0, steps: Optional[int] = None,
 def run(sc: dict) -> dict:
     if sc.get("fault"):
         os.environ["FCDP_INJECT_FAULT"] = sc["fault"]  # read at the fault site, at engine creation
-    if sc.get("broken"):
-        os.environ[faults.COMPRESSION_ENV] = sc["broken"]  # read at every use (fcdp_deepspeed/faults.py)
+    broken = contextlib.ExitStack()  # a variant of fcdp_lab/sabotage/compression.py, from the build to the last step
+    broken.enter_context(applied(f"compression.{sc['broken']}" if sc.get("broken") else ""))
     with sabotaged(sc.get("break", "")), test_codec(sc.get("codec")), codec_kernel(sc.get("codec_kernel")):
         try:
             engine = grad_workers.build(sc, config(sc))
@@ -249,7 +249,7 @@ def run(sc: dict) -> dict:
         try:
             res = train(engine, sc, replicas=replicas)
         finally:
-            os.environ.pop(faults.COMPRESSION_ENV, None)
+            broken.close()
         res["codec_kernel"] = quant.cpu_kernel() is not None
         res["replicas"] = replicas.hashes
         res["skipped_steps"] = engine.skipped_steps
@@ -290,7 +290,7 @@ def checkpoint(ckpt_dir: str, sc: dict, off_engine) -> dict:
 
 def _compression_state(engine) -> dict:
     """What a load without the optimizer state must reset: committed residuals, references, the refresh counter."""
-    from fcdp_deepspeed.compress.reference import RefState
+    from fcdp_deepspeed.runtime.compression_reference import RefState
     store = engine.optimizer.fcdp.compression.store
     return {"residual_norm": residual(engine).norm().item(), "steps": store.steps,
             "valid_refs": sum(r.state is RefState.VALID for r in store.refs.values()),

@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -16,12 +17,14 @@ from deepspeed.accelerator import get_accelerator
 
 import fcdp_deepspeed
 from fcdp_deepspeed import grads
-from fcdp_deepspeed.compress.reference import ReferenceStore
-from fcdp_deepspeed.grads import inflight
-from fcdp_deepspeed.machine import device, strict_device, strict_streams
-from fcdp_deepspeed.runtime import gather as gather_module
+from fcdp_deepspeed.runtime.compression_reference import ReferenceStore
+from fcdp_deepspeed.machine import device
+from fcdp_deepspeed.runtime.staged import StreamAhead
 from fcdp_deepspeed.storage.cache import NodeCache
+from fcdp_lab import strict
 from fcdp_lab.harness import toy
+from fcdp_lab.sabotage import grads as grads_sabotage
+from fcdp_lab.strict import strict_device, strict_streams
 from workers import grads as grad_workers
 from workers.common import setup
 
@@ -67,7 +70,7 @@ def sabotage(kind: str) -> None:
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
         grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
     elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
-        from fcdp_deepspeed.compress import residual
+        from fcdp_deepspeed.grads import residual
         original_to_accel = residual.device.to_accel
 
         class _Blocking:
@@ -126,7 +129,8 @@ def strict_runs(scenarios: list[dict], break_kind: str = "", stream_breaks: list
     """Each scenario with plain ZeRO-3 and with FCDP, in strict device mode; then, for each of
     ``stream_breaks`` (``{"scenario": ..., "breaks": [...]}``), one FCDP run whose step i + 1 removes ordering
     ``breaks[i]`` (:func:`broken_ordering`), with stream-order violations collected per step instead of raised."""
-    os.environ[strict_device.ENV] = "1"  # read when each engine is built
+    os.environ[strict.ENV] = "1"
+    strict.install()  # every engine built from here on: the strict door, the collectives guarded
     setup(2)
     sabotage(break_kind)
     out = {sc["name"]: {mode: _run(sc, mode == "fcdp") for mode in ("plain", "fcdp")} for sc in scenarios}
@@ -141,6 +145,11 @@ class _Patches:
 
     def __init__(self) -> None:
         self.saved: list[tuple] = []
+        self.contexts = contextlib.ExitStack()
+
+    def enter(self, context) -> None:
+        """A context (a lab variant applied: ``fcdp_lab.sabotage``), left at :meth:`undo`."""
+        self.contexts.enter_context(context)
 
     def set(self, obj, name: str, value) -> None:
         self.saved.append((obj, name, obj.__dict__[name] if name in obj.__dict__ else _MISSING))
@@ -150,6 +159,7 @@ class _Patches:
         for obj, name, old in reversed(self.saved):
             delattr(obj, name) if old is _MISSING else setattr(obj, name, old)
         self.saved.clear()
+        self.contexts.close()
 
 
 _MISSING = object()
@@ -199,9 +209,9 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
     elif kind == "two_stage_gather":  # stage 2 is not ordered after stage 1 (the peer group's all-gather)
         patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
     elif kind in ("inter_node_wait", "codec_inter_node_wait"):  # completion reads before waiting for the collective
-        patches.set(inflight, "grads_broken", lambda what: what == "read_early")
+        patches.enter(grads_sabotage.applied("grads.read_early"))
     elif kind == "ahead_ready":  # the gather stream reads a stash without waiting for its stage 1 (staged.py)
-        patches.set(gather_module, "push_broken", lambda what: what == "read_early")
+        patches.set(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
     elif kind == "ahead_release":  # stashes dropped without asking their copy's event
         patches.set(door, "event_done", lambda ev: True)
     elif kind == "stage1_event":  # a fetch's stage 2 does not wait for its stage 1 on the stage-1 stream

@@ -2,12 +2,12 @@
 (``grads/inflight.py``), against the synchronous path and plain ZeRO-3, correct and broken."""
 from __future__ import annotations
 
-import os
 import time
 
 from deepspeed import comm as dist
 
-from fcdp_deepspeed.grads import collectives, inflight
+from fcdp_deepspeed.grads import collectives
+from fcdp_lab.sabotage.grads import applied
 from workers import grads as grad_workers
 from workers.common import setup
 
@@ -40,13 +40,11 @@ def _issue_timer() -> list[float]:
 
 
 def _run(sc: dict, block: dict | None, broken: str = "") -> dict:
-    os.environ[inflight.BREAK_ENV] = broken
-    try:
+    """One engine's run; ``broken``: a variant of ``fcdp_lab/sabotage/grads.py`` (``read_early``) while it runs."""
+    with applied(f"grads.{broken}" if broken else ""):
         full = {"enabled": True, "ranks_per_node": 2, **block} if block is not None else None
         engine = grad_workers.build(sc, grad_workers._config(sc, full))
         res = grad_workers.train(engine, sc)
-    finally:
-        os.environ[inflight.BREAK_ENV] = ""
     weights = {n: p.ds_tensor.detach().clone() for n, p in engine.module.named_parameters()}
     return {"losses": res.losses, "weights": weights, "stats": res.stats,
             "bucket": int(engine.optimizer.reduce_bucket_size)}
@@ -56,7 +54,11 @@ def variants(scenarios: list[dict], delay_s: float = 0.05) -> dict:
     """Per scenario: plain ZeRO-3, FCDP's synchronous path and the overlapped one for each gradient mode, and the
     broken variants; rank 2 issues every inter-node stage ``delay_s`` late (skew: a read before completion shows)."""
     setup()
-    os.environ[inflight.DELAY_ENV] = f"2:{delay_s}"
+    with applied(f"grads.delay@2={delay_s}"):
+        return _variants(scenarios)
+
+
+def _variants(scenarios: list[dict]) -> dict:
     out: dict = {}
     for sc in scenarios:
         runs = {"plain": _run(sc, None), "flat": _run(sc, {**FLAT, **OVERLAP})}
@@ -74,9 +76,9 @@ def issue_does_not_wait(delay_s: float = 0.3) -> dict:
     """GA 1 under node accumulation: rank 2 issues ``delay_s`` late; how long each inter-node issue held the host
     (gloo ``async_op=True``: not the transfer), and how long the completions waited for it."""
     setup()
-    os.environ[inflight.DELAY_ENV] = f"2:{delay_s}"
     seconds = _issue_timer()
     sc = {"name": "ga1", "steps": 2}
-    run = _run(sc, {**NODE, **OVERLAP, "grad_bucket_size": 1024})  # about 5 buckets
+    with applied(f"grads.delay@2={delay_s}"):
+        run = _run(sc, {**NODE, **OVERLAP, "grad_bucket_size": 1024})  # about 5 buckets
     return {"issue_s": seconds, "inter_node_s": run["stats"]["timeline_grad_inter_node_s"],
             "inflight_max": run["stats"]["grad_inflight_max"], "rank": dist.get_rank()}

@@ -401,11 +401,11 @@ def fp16_window(steps: int = 4, grad_accum: int = 4, scale_power: int = 16, scal
 
 
 def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ranks_per_node: int) -> dict:
-    """The gradient modes on NCCL's branch (``reduce_scatter_tensor``, ``FCDP_FORCE_REDUCE_SCATTER=1``) instead of
+    """The gradient modes on NCCL's branch (``reduce_scatter_tensor``, the lab's ``grads.reduce_scatter``) instead of
     gloo's all-to-all: fp32 and bf16 boundary errors against the float64 reference, and how many of FCDP's stage
     reductions took each branch (the forced one ran)."""
     from fcdp_deepspeed.grads.collectives import StageCollectives
-    os.environ["FCDP_FORCE_REDUCE_SCATTER"] = "1"
+    from fcdp_lab.sabotage.grads import applied
     branches = {"reduce_scatter_tensor": 0, "all_to_all": 0}
     original = StageCollectives._issue_scatter_sum
 
@@ -415,9 +415,9 @@ def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ran
 
     StageCollectives._issue_scatter_sum = counted
     try:
-        fp32 = _errors_by_mode(scenarios, ranks_per_node, "", reference_errors)
-        bf16 = _errors_by_mode(bf16_scenarios, ranks_per_node, "", bf16_errors)
+        with applied("grads.reduce_scatter"):
+            fp32 = _errors_by_mode(scenarios, ranks_per_node, "", reference_errors)
+            bf16 = _errors_by_mode(bf16_scenarios, ranks_per_node, "", bf16_errors)
     finally:
         StageCollectives._issue_scatter_sum = original
-        os.environ.pop("FCDP_FORCE_REDUCE_SCATTER", None)
     return {"fp32": fp32, "bf16": bf16, "branches": branches}

@@ -2,15 +2,13 @@
 (``runtime/runahead.py``), correct and broken."""
 from __future__ import annotations
 
-import os
-
 import deepspeed
 from deepspeed import comm as dist
 
 import fcdp_deepspeed
-from fcdp_deepspeed.runtime import runahead
 from fcdp_deepspeed.storage import freshness
 from fcdp_lab.harness import toy
+from fcdp_lab.sabotage import params as sabotage
 from workers.common import fcdp_block, forward, setup
 
 HIDDEN = 32
@@ -49,10 +47,10 @@ def _run(fcdp: bool, ckpt_dir: str, tag: str, budget: int = 2**30, window: int =
     return {"losses": losses, "out": out, "out2": out2, "stats": fcdp_deepspeed.get_stats(engine) if fcdp else {}}
 
 
-def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
-    """Plain ZeRO-3, FCDP with the run-ahead, and each broken variant; rank 2 pushes ``delay_s`` late (skew)."""
+def variants(ckpt_dir: str) -> dict:
+    """Plain ZeRO-3, FCDP with the run-ahead, and each broken variant (``push.*``, applied for its run); the test
+    makes rank 2 push late (``FCDP_LAB_BREAK=push.delay@2=SECONDS``)."""
     setup()
-    os.environ[runahead.DELAY_ENV] = f"2:{delay_s}"
     out = {"plain": _run(False, ckpt_dir, "plain")}
     checked = freshness.is_current
     for name, broken, budget in (("fcdp", "", 2**30), ("read_early", "read_early", 2**30),
@@ -61,11 +59,10 @@ def variants(ckpt_dir: str, delay_s: float = 0.3) -> dict:
                                  ("rolling", "", ROLLING_BYTES),
                                  ("rolling_skip_invalidation", "skip_invalidation", ROLLING_BYTES),
                                  ("window", "", 0), ("window_rolling", "", 0), ("window_read_early", "read_early", 0)):
-        os.environ[runahead.BREAK_ENV] = broken
         if name.endswith("_unchecked"):  # the check at use skipped too ([Note: freshness by construction])
             freshness.is_current = lambda param, taken: True
-        out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
-        os.environ[runahead.BREAK_ENV] = ""
+        with sabotage.applied(f"push.{broken}" if broken else ""):
+            out[name] = _run(True, ckpt_dir, name, budget, window=ROLLING_BYTES if name == "window_rolling" else 2**30)
         freshness.is_current = checked
     out["lora"] = lora()  # in the same ranks: the LoRA test needs no process group of its own
     out["compressed"] = compressed()
@@ -86,7 +83,8 @@ def compressed(steps: int = 3) -> dict:
     window's first fetch, the push from the step's end, and the broken variants. Between steps one two-stage gather
     takes two weights together (:func:`_gather_together`; its compressed stage 1 rewrites their references): the
     groups pushed at the step's end that hold them (one per module) must be dropped. Cached, the weights are hits
-    after it; without cache slots (``min_numel``) the forward gathers them again, from those groups if they were kept. Rank 2's push is late (``variants``' skew)."""
+    after it; without cache slots (``min_numel``) the forward gathers them again, from those groups if they were kept.
+    Rank 2's push is late (``variants``' skew)."""
     out = {}
     uncached = {"min_numel": 10**6}  # no cache slot: every fetch is a two-stage gather (references only)
     for name, extra, broken in (("off", {"param_runahead_bytes": 0}, ""), ("window", {}, ""),
@@ -96,17 +94,16 @@ def compressed(steps: int = 3) -> dict:
                                 ("push_uncached", {"param_push_bytes": 2**30, **uncached}, ""),
                                 ("push_uncached_stale", {"param_push_bytes": 2**30, **uncached}, "stale_reference"),
                                 ("push_refresh", {"param_push_bytes": 2**30, "param_refresh_interval": 2}, "")):
-        os.environ[runahead.BREAK_ENV] = broken
-        cfg = toy.ds_config(fcdp_block(param_compression="int4", **extra), regime="large")
-        engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
-        losses = toy.train(engine, steps, hidden=HIDDEN).losses
-        if name != "push_refresh":
-            _gather_together(engine, [engine.module.blocks[i].fc.weight for i in (1, 2)])
-        losses += toy.train(engine, steps, hidden=HIDDEN, seed=1).losses
-        stats = fcdp_deepspeed.get_stats(engine)
-        out[name] = {"losses": losses, "out": forward(engine, HIDDEN),
-                     "stats": {k: v for k, v in stats.items() if k.startswith(("param_push", "param_compressed"))}}
-        os.environ[runahead.BREAK_ENV] = ""
+        with sabotage.applied(f"push.{broken}" if broken else ""):
+            cfg = toy.ds_config(fcdp_block(param_compression="int4", **extra), regime="large")
+            engine = toy.build_engine(cfg, hidden=HIDDEN, layers=3)
+            losses = toy.train(engine, steps, hidden=HIDDEN).losses
+            if name != "push_refresh":
+                _gather_together(engine, [engine.module.blocks[i].fc.weight for i in (1, 2)])
+            losses += toy.train(engine, steps, hidden=HIDDEN, seed=1).losses
+            stats = fcdp_deepspeed.get_stats(engine)
+            out[name] = {"losses": losses, "out": forward(engine, HIDDEN),
+                         "stats": {k: v for k, v in stats.items() if k.startswith(("param_push", "param_compressed"))}}
     return out
 
 

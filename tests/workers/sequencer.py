@@ -2,17 +2,15 @@
 (``runtime/sequencer.py``), and a coalesced fetch gathered per module (``gather.PerModuleHandle``)."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 import fcdp_deepspeed
-from fcdp_deepspeed.runtime import sequencer
 from fcdp_deepspeed.runtime.fetch import flat_reference
 from fcdp_lab.harness import toy
+from fcdp_lab.sabotage import params as sabotage
 from workers.common import fcdp_block, setup
 
 HIDDEN = 32
@@ -31,9 +29,9 @@ def _exact(params: list) -> list[bool]:
 def wait_orders(broken: str = "") -> dict:
     """Two same-size misses gathered as two handles; ranks of one node wait them in opposite orders (as DeepSpeed's
     per-rank ``set`` order can). Then one coalesced fetch of both per module: the handle completes only the part of
-    the parameter whose module is active."""
+    the parameter whose module is active. ``broken``: a ``gather.*`` variant for the two waits (``sabotage.params``)."""
     setup()
-    os.environ[sequencer.BREAK_ENV] = broken
+    restore = sabotage.apply(f"gather.{broken}" if broken else "")
     engine = _engine(True)
     toy.train(engine, 1, hidden=HIDDEN)  # every trainable parameter is a miss again
     gather = engine.optimizer.fcdp.gather
@@ -48,7 +46,7 @@ def wait_orders(broken: str = "") -> dict:
         out["error"] = repr(err)
         return out
     finally:
-        os.environ[sequencer.BREAK_ENV] = ""
+        restore()
     for p in (a, b):
         p.partition()
     handle = gather.issue([b, a], per_module=True)
@@ -64,22 +62,18 @@ def wait_orders(broken: str = "") -> dict:
     return out
 
 
-def late_peer(delay_s: float = 0.2) -> dict:
-    """Rank 2 issues every stage 1 ``delay_s`` late: plain ZeRO-3, FCDP, FCDP with stage 2 issued early; both
-    release regimes (DeepSpeed's prefetch on in ``default``)."""
+def late_peer() -> dict:
+    """Plain ZeRO-3, FCDP, FCDP with stage 2 issued early (``gather.stage2_early``); both release regimes (DeepSpeed's
+    prefetch on in ``default``). The test makes rank 2 issue every stage 1 late (``gather.delay@2=SECONDS``)."""
     setup()
     out = {}
     for regime in ("large", "default"):
-        for name, fcdp, broken in (("plain", False, ""), ("fcdp", True, ""), ("early", True, "stage2_early")):
-            os.environ[sequencer.DELAY_ENV] = f"2:{delay_s}"
-            os.environ[sequencer.BREAK_ENV] = broken
-            try:
+        for name, fcdp, broken in (("plain", False, ""), ("fcdp", True, ""), ("early", True, "gather.stage2_early")):
+            with sabotage.applied(broken):
                 engine = _engine(fcdp, regime)
                 res = toy.train(engine, 3, hidden=HIDDEN)
                 out[f"{regime}_{name}"] = {"losses": res.losses,
                                            "stats": fcdp_deepspeed.get_stats(engine) if fcdp else {}}
-            finally:
-                os.environ[sequencer.DELAY_ENV] = os.environ[sequencer.BREAK_ENV] = ""
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from fcdp_deepspeed.compress.quant import wire_bytes
+from fcdp_deepspeed.tools.plan.compression import wire_bytes
 
 GIB = 2**30
 

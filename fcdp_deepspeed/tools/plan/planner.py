@@ -81,8 +81,6 @@ class ClusterSpec:
     """``fcdp.param_gather`` of the FCDP engines: ``flat``, ``hierarchical`` or ``auto``."""
     compression_block: int = 128
     """``fcdp.compression_block`` of the compressed rows."""
-    fp16_dynamic_loss_scale: bool = False
-    """fp16 with dynamic loss scaling: the compressed gradient path keeps a second residual copy."""
     diloco: Optional[dict] = None
     """The config's ``fcdp.diloco`` block (``tools/plan/diloco.py``): adds the DiLoCo rows."""
 
@@ -246,8 +244,7 @@ def compressed_rows(spec: ClusterSpec, node: dict, cached_fraction: float) -> li
         return []
     trainable = spec.params * spec.trainable_fraction
     common = dict(nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, trainable_numel=trainable,
-                  dtype_bytes=spec.dtype_bytes, block=spec.compression_block,
-                  fp16_dynamic_loss_scale=spec.fp16_dynamic_loss_scale)
+                  dtype_bytes=spec.dtype_bytes, block=spec.compression_block)
     exact = compressed_step(**common)
     rows = []
     for param_c, grad_c in SETTINGS:
@@ -369,7 +366,7 @@ def _read_config(path: str) -> dict:
 
 
 def _from_config(cfg: dict) -> dict:
-    """What the planner takes from a DeepSpeed config: dtype bytes, accumulation steps, fp16 loss scaling."""
+    """What the planner takes from a DeepSpeed config: dtype bytes, accumulation steps, the block's keys."""
     out: dict = {}
     ga = cfg.get("gradient_accumulation_steps")
     if isinstance(ga, int) and not isinstance(ga, bool) and ga >= 1:  # HF's "auto" is left to --grad-accum
@@ -377,8 +374,6 @@ def _from_config(cfg: dict) -> dict:
     fp16, bf16 = cfg.get("fp16") or {}, cfg.get("bf16") or {}
     half = (isinstance(bf16, dict) and bf16.get("enabled")) or (isinstance(fp16, dict) and fp16.get("enabled"))
     out["dtype_bytes"] = 2 if half else 4
-    if isinstance(fp16, dict) and fp16.get("enabled") and fp16.get("loss_scale", 0) in (0, 0.0):
-        out["fp16_dynamic_loss_scale"] = True
     block = cfg.get("fcdp") if isinstance(cfg.get("fcdp"), dict) else {}
     if block.get("param_gather") in ("flat", "hierarchical", "auto"):
         out["param_gather"] = block["param_gather"]
@@ -409,8 +404,7 @@ def assumptions(spec: ClusterSpec, given: set[str], from_config: set[str]) -> li
         + (mark('device_used_bytes', f"{used / GIB:g} GiB of it used at a step's peak") if used is not None
            else "80% of it used at a step's peak*"),
         f"{mark('compute_s', f'compute {spec.compute_s:g} s per micro-step')}; steady state (frozen slices cached); "
-        f"compressed rows: {mark('compression_block', f'block {spec.compression_block}')}"
-        + (", fp16 dynamic loss scaling (config)" if spec.fp16_dynamic_loss_scale else ""),
+        f"compressed rows: {mark('compression_block', f'block {spec.compression_block}')}",
     ]
 
 
@@ -419,12 +413,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--params", type=parse_count, required=True, help="total parameters, e.g. 30B, 7e9, 125M")
     ap.add_argument("--nodes", type=checks.whole(1), required=True, help="N, nodes")
     ap.add_argument("--ranks-per-node", type=checks.whole(1), required=True, help="L, ranks (accelerators) per node")
-    ap.add_argument("--config", help="DeepSpeed config (JSON/HJSON): dtype, gradient accumulation, fp16 loss "
-                                     "scaling and the fcdp block's param_gather/compression_block are read from it")
+    ap.add_argument("--config", help="DeepSpeed config (JSON/HJSON): dtype, gradient accumulation and the fcdp "
+                                     "block's param_gather/compression_block/diloco are read from it")
     for flag, kind, default, text in _OPTIONS:
         shown = text if "default" in text or default is None else f"{text} (default: {default})"
         ap.add_argument(flag, type=kind, default=None, help=shown)
-    for flag, dest in _LEGACY_GB.items():  # the decimal-GB spellings (docs/BENCHMARKS.md uses them), converted
+    for flag, dest in _LEGACY_GB.items():  # the decimal-GB spellings (docs/benchmarks.md uses them), converted
         ap.add_argument(flag, type=checks.non_negative(), default=None,
                         help=f"--{dest.replace('_', '-')} given in decimal GB (10^9 bytes) instead of GiB")
     ap.add_argument("--regime", choices=["large", "default"], default=None, help="DeepSpeed release regime (default: large)")
