@@ -264,6 +264,15 @@ def test_tools_are_grouped_by_command():
         assert module in package_modules() and module.count(".") in (2, 3), (name, module)
 
 
+def test_no_history_in_the_package():
+    """Docstrings and comments say why, never when: no issue number and no date in any module of the package."""
+    import re
+    pattern = re.compile(r"\b[Ii]ssues? #?\d+|\b20\d\d-\d\d-\d\d\b")
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in sorted(PACKAGE_DIR.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
+
+
 def test_the_package_never_imports_the_lab():
     """The wheel holds the plugin: no module of the package imports ``fcdp_lab`` (the lab is not installed)."""
     found = sorted(f"{name} imports {imported}" for name, path in package_modules().items()

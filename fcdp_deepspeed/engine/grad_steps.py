@@ -45,13 +45,10 @@ AUTO_BUCKETS = 8
 MIN_AUTO_BUCKET = 2**18
 #: [Note: the bucket pays for the stages in flight] DeepSpeed allocates its contiguous bucket buffer at
 #: ``reduce_bucket_size`` elements; the hierarchical reduce holds more per bucket than ZeRO-3's flat one (the packed
-#: stage-1 input, the node sums, the stage-2 buffers left in flight). Measured on an H200 (``scripts/gpu_check.py``
-#: case b, fp32, 2 x 2, ``grad_inflight_buckets`` 4): FCDP's peak was 1.16 buckets above ZeRO-3's with the *same*
-#: bucket. Where ``auto`` would keep DeepSpeed's size (a model of 8 x ``reduce_bucket_size`` trainable elements or
-#: more: 4e9 at DeepSpeed's default, a 7B full fine-tune) that was ~2.3 GB more device memory than ZeRO-3, a smaller
-#: maximum batch. So ``auto`` takes at most a third of DeepSpeed's size: the 2/3 of the buffer it frees pays for the
-#: stages in flight (1.16 buckets of a third is 0.39 of DeepSpeed's; allocated memory, measured; the allocator's
-#: reserved memory is still above ZeRO-3's, gpu.md). An explicit ``grad_bucket_size`` is taken as given.
+#: stage-1 input, the node sums, the stage-2 buffers left in flight): about one bucket more at the peak with the
+#: *same* bucket (the GPU check's case b, docs/gpu.md). At DeepSpeed's default size that is gigabytes of device
+#: memory, a smaller maximum batch. So ``auto`` takes at most a third of DeepSpeed's size: the 2/3 of the buffer it
+#: frees pays for the stages in flight. An explicit ``grad_bucket_size`` is taken as given.
 AUTO_SHARE_OF_DEEPSPEED = 3
 
 
@@ -97,8 +94,8 @@ class GradSteps:
                 shrunk = True
         if shrunk:
             # [Note: the freed bucket stays reserved] The old buffer (2 GB in fp32 at DeepSpeed's default) goes back
-            # to the caching allocator, not to the device: reserved memory the H200 check saw (2.4-2.55 GB reserved
-            # against 0.23 GB for ZeRO-3 with the same bucket), invisible to NCCL and other processes. Once, at attach.
+            # to the caching allocator, not to the device: reserved memory that NCCL and other processes cannot use
+            # (the GPU check's case b, docs/gpu.md). Once, at attach.
             device.empty_accel_cache()
 
     # CountedStage3 attributes and tags DeepSpeed's own epilogue and step; the deliveries and flushes below are FCDP's.

@@ -36,12 +36,9 @@ every collective on the host):
   on NCCL, a host wait on gloo, as for DeepSpeed's own flat gather), so it is ordered after both
   stages, and records the partition views on the stream that reads them.
 
-Before, stage 1's ``work.wait()`` ran on the issuing stream at issue time: the all-gather stream, which
-the compute stream waits for at every fetch, then waited for stage 1 of every prefetched miss, and
-with blocking waits the host did (issue 26).
-[Measured on gloo before the gather stream: deferring stage 2 into the handle's ``wait``, so the host
-does not wait on stage 1 at issue time, changed nothing on the emulated 2x2 cluster (1.426 vs 1.419 s
-per step, 100 Mbit/s, large release regime; 1.417 vs 1.436 s with DeepSpeed's default prefetch).]
+Why not wait for stage 1 on the issuing stream at issue time: that stream is the all-gather stream, which the
+compute stream waits for at every fetch, so it would wait for stage 1 of every prefetched miss (and with blocking
+waits, so would the host).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The planner's model of the compressed inter-node hop (``fcdp.param_compression``/``grad_compression``).
 
 One function, :func:`compressed_step`, holds the whole byte and memory model, so it can be checked
-against the compressed paths' counters once they run (issue 23):
+against the compressed paths' counters (``tests/test_planner.py``):
 
 - **parameter stage** (stage 1 of the two-stage gather, among node peers): once per optimizer step each
   owner's partition of every changed (trainable) parameter crosses into each other node as one message
