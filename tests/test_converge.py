@@ -166,9 +166,8 @@ def test_committed_convergence_run_meets_its_claims():
     model on 2 x 2 with kernel-counted bytes, trained with the codecs this code builds, every compressed setting
     within 1% of exact's held-out loss and the model bitwise equal on every rank."""
     from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "docs" / converge_report.RESULTS
-    if not path.exists():
-        pytest.skip("no committed convergence run yet (python -m fcdp_lab converge --out docs)")
+    path = Path(__file__).resolve().parent.parent / "docs" / "results" / "compression" / converge_report.RESULTS
+    assert path.exists(), "the committed run (python -m fcdp_lab converge, default --out)"
     doc = json.loads(path.read_text())
     for r in doc["records"]:
         assert r["steps"] >= 500 and r["params"] >= 1_000_000 and (r["nodes"], r["world"]) == (2, 4), r["key"]

@@ -654,7 +654,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=checks.whole(0), default=2, help="untimed steps per run")
     ap.add_argument("--steps", type=checks.whole(1), default=5, help="timed steps per run")
     ap.add_argument("--repeats", type=checks.whole(1), default=3, help="fresh-process runs per engine, interleaved")
-    ap.add_argument("--regime", choices=["large", "default"], default="large", help="DeepSpeed release regime")
+    ap.add_argument("--regime", choices=["large", "prefetch", "default"], default="large",
+                    help="DeepSpeed release regime (prefetch: DeepSpeed's prefetch bucket, reuse distance 0)")
     ap.add_argument("--param-gather", choices=["flat", "hierarchical", "auto"], default="auto",
                     help="fcdp.param_gather of the FCDP engines")
     ap.add_argument("--compression-block", type=checks.whole(8), default=128,

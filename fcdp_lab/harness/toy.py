@@ -82,12 +82,15 @@ def ds_config(fcdp: Optional[dict] = None, *, regime: str = "large", grad_accum:
     ``regime="large"`` releases every parameter after use (``stage3_max_reuse_distance=0``,
     ``stage3_prefetch_bucket_size=0``): what a model larger than accelerator memory does, and the
     case where backward re-gathers everything. ``"default"`` keeps DeepSpeed's settings, under which a
-    small model is prefetched and kept between forward and backward.
+    small model is prefetched and kept between forward and backward. ``"prefetch"`` keeps DeepSpeed's prefetch
+    bucket but releases after use (``stage3_max_reuse_distance=0``).
     """
     zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
                             "stage3_gather_16bit_weights_on_model_save": True}
     if regime == "large":
         zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    elif regime == "prefetch":
+        zero.update(stage3_max_reuse_distance=0)
     if hpz:
         zero["zero_hpz_partition_size"] = hpz
     zero.update(zero_extra)
