@@ -166,8 +166,27 @@ def diloco_loss_table() -> tuple[list[str], str]:
     return [name], table(["setting", "held-out loss", "vs exact", "bytes vs exact"], body)
 
 
+FAST_LINK = ("large", "prefetch", "default")
+FAST_LINK_ENGINES = ("zero3", "fcdp_nocache", "fcdp_flat", "fcdp", "fcdp_node")
+REGIME_WORDS = {"large": "large model", "prefetch": "DeepSpeed's prefetch, reuse 0", "default": "DeepSpeed's defaults"}
+
+
+def fast_link_table() -> tuple[list[str], str]:
+    """At 20 Gbit/s, what each part of FCDP costs against ZeRO-3, by release regime (one file per regime)."""
+    names, body = [f"bench/fast-link-{regime}.json" for regime in FAST_LINK], []
+    for name, regime in zip(names, FAST_LINK):
+        by = {(r["job"], r["engine"]): r for r in rows(name)}
+        for job in ("full", "lora"):
+            z = by[(job, "zero3")]
+            body.append([REGIME_WORDS[regime], job, f"{z['step_time_s']:.3f}"]
+                        + [f"{by[(job, e)]['step_time_s'] / z['step_time_s']:.2f}x" for e in FAST_LINK_ENGINES[1:]]
+                        + [f"{mb(z)} / {mb(by[(job, 'fcdp_node')])}"])
+    return names, table(["release", "job", "ZeRO-3 step (s)", "installed, nothing cached", "+ cache",
+                         "+ two-stage gather", "defaults (+ two-stage gradients)", "MB/step ZeRO-3 / defaults"], body)
+
+
 TABLES = (rates_table, grad_modes_table, step_table, lora_table, layouts_table, compression_bytes_table,
-          compression_step_table, converge_table, diloco_table, diloco_loss_table)
+          compression_step_table, converge_table, diloco_table, diloco_loss_table, fast_link_table)
 
 
 @pytest.mark.parametrize("build", TABLES, ids=lambda f: f.__name__)
@@ -188,6 +207,19 @@ def test_every_linked_result_file_has_a_table_or_is_a_picture():
     built = {n for build in TABLES for n in build()[0]}
     linked = set(re.findall(r"\]\(results/([^)#\s]+)\)", PAGE.read_text()))
     assert {n for n in linked if not n.endswith(".png")} <= built, linked - built
+
+
+def test_the_readme_quotes_the_fast_link_costs():
+    """README's "when it does not" figures are the fast-link run's: the defaults and the flat paths against ZeRO-3 with
+    DeepSpeed's default settings, and the defaults in the large-model regime (full fine-tuning)."""
+    ratio = {}
+    for regime in ("large", "default"):
+        by = {(r["job"], r["engine"]): r["step_time_s"] for r in rows(f"bench/fast-link-{regime}.json")}
+        ratio[regime] = {e: f"{by[('full', e)] / by[('full', 'zero3')]:.2f}x" for e in FAST_LINK_ENGINES}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"the defaults' full fine-tuning step was **{ratio['default']['fcdp_node']}** ZeRO-3's in DeepSpeed's "
+            f"default settings ({ratio['default']['fcdp_flat']} with") in readme
+    assert f"and {ratio['large']['fcdp_node']} in the large-model regime" in readme
 
 
 def test_the_page_stays_short():

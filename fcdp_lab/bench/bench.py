@@ -58,7 +58,14 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                "fcdp_node_push8m": {"grad_accumulation": "node", "param_push_bytes": 8 * 2**20},
                # issue 31 item 3: the gradient's inter-node stage as before it ran behind the backward (each stage
                # waited for where it is issued, DeepSpeed's bucket size: one bucket for the bench model)
-               "fcdp_node_syncgrad": {"grad_accumulation": "node", "grad_inflight_buckets": 0, "grad_bucket_size": 0}}
+               "fcdp_node_syncgrad": {"grad_accumulation": "node", "grad_inflight_buckets": 0, "grad_bucket_size": 0},
+               # the hierarchical reduce with DeepSpeed's per-rank accumulation (no node buffer)
+               "fcdp_hier_rank": {"grad_reduce": "hierarchical", "grad_accumulation": "rank"},
+               # the cache alone: DeepSpeed's flat gather for misses and its gradient path
+               "fcdp_flat": {"param_gather": "flat", "grad_reduce": "flat", "grad_accumulation": "rank"},
+               # FCDP's wrappers with nothing cached and every path DeepSpeed's: the fixed cost of being installed
+               "fcdp_nocache": {"param_gather": "flat", "grad_reduce": "flat", "grad_accumulation": "rank",
+                                "min_numel": 2**62}}
 FCDP_BLOCKS |= compressed_blocks(FCDP_BLOCKS[EXACT_ENGINE])
 #: Lossy DiLoCo across nodes (issue 32, docs/diloco.md): time whole sync intervals (``--steps`` a multiple of H).
 DILOCO_ENGINES = {"diloco10": {"sync_every": 10}, "diloco10_int4": {"sync_every": 10, "compression": "int4"},
@@ -69,7 +76,8 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", *COMPRESSED_ENGINES,
+ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
+               "fcdp_hier_rank", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
 #: before a change), interleaved with this one's engines in one run: a side-by-side before/after on one machine.
