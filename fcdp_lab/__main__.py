@@ -1,10 +1,10 @@
 """``python -m fcdp_lab COMMAND``: the lab's commands, from a checkout (``scripts/setup_env.sh`` puts it on the path)."""
 from __future__ import annotations
 
-import difflib
-import importlib
 import sys
 from typing import Optional
+
+from fcdp_deepspeed.tools.cli import dispatch
 
 PROG = "python -m fcdp_lab"
 COMMANDS = {
@@ -26,12 +26,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
-    if argv[0] not in COMMANDS:
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        print(f"{PROG}: unknown command '{argv[0]}'{hint}\n\n{usage()}", file=sys.stderr)
-        return 2
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    return dispatch(PROG, COMMANDS, argv, usage)
 
 
 if __name__ == "__main__":

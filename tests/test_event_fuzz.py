@@ -18,7 +18,7 @@ from conftest import TESTS_DIR
 
 hypothesis = pytest.importorskip("hypothesis")
 
-from fcdp_lab.sabotage import params as sabotage  # noqa: E402
+from fcdp_lab import sabotage  # noqa: E402
 from fcdp_lab.fuzz.driver import RankServer  # noqa: E402
 from fcdp_lab.fuzz.events import EVENTS  # noqa: E402
 from fcdp_lab.fuzz.machine import ALL_ENGINES, EXACT_ENGINES, search  # noqa: E402

@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from fcdp_deepspeed.runtime import gather, runahead, sequencer, staged
+from fcdp_lab import sabotage
 from fcdp_lab.sabotage import params
 
 
@@ -20,9 +21,9 @@ def test_skews_sleep_only_in_the_rank_they_name(monkeypatch, name, owner, attrib
     monkeypatch.setattr(params.time, "sleep", slept.append)
     monkeypatch.setenv("RANK", "1")
     for value in (f"{name}@0=0.25", f"{name}@1=0"):  # another rank's skew; none at all
-        with params.applied(value):
+        with sabotage.applied(value):
             assert vars(owner)[attribute] is stub, value
-    with params.applied(f"{name}@1=0.25"):
+    with sabotage.applied(f"{name}@1=0.25"):
         assert getattr(owner, attribute)(object()) == "issued"
     assert slept == [0.25] and vars(owner)[attribute] is stub
 

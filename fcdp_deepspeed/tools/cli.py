@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 COMMANDS = {
     "doctor": ("fcdp_deepspeed.tools.doctor", "is FCDP installed and on here, and what would this config do"),
@@ -42,13 +42,19 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"checkout, run `python -m fcdp_lab {argv[0]}` (after `source scripts/setup_env.sh test,hf,bench`)",
               file=sys.stderr)
         return 2
-    if argv[0] not in COMMANDS:
-        close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+    return dispatch("fcdp", COMMANDS, argv, usage)
+
+
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], usage: Callable[[], str]) -> int:
+    """Run ``argv[0]``'s module's ``main(argv[1:])``, or name the nearest command (exit 2). The lab's commands
+    (``python -m fcdp_lab``) dispatch the same way."""
+    if argv[0] not in commands:
+        close = difflib.get_close_matches(argv[0], list(commands), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        print(f"fcdp: unknown command '{argv[0]}'{hint}\n\n{usage()}", file=sys.stderr)
+        print(f"{prog}: unknown command '{argv[0]}'{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     import importlib
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    return importlib.import_module(commands[argv[0]][0]).main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from typing import Any, Optional
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.storage import freshness
-from fcdp_lab.sabotage import params as sabotage
+from fcdp_lab import sabotage
 
 #: Sequences between full garbage collections ([Note: gc.freeze]).
 FULL_GC_EVERY = 8
@@ -87,7 +87,7 @@ class _Session:
         self.seq: Optional[events.Sequence] = None
         self.probe = False
         self.ended = 0
-        #: Undoes the broken variants of the sequence running (``sabotage.params.apply``).
+        #: Undoes the broken variants of the sequence running (``sabotage.apply``).
         self.restore = lambda: None
 
     def run(self, cmd: dict) -> dict:

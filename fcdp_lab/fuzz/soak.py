@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional
 
-from fcdp_lab.sabotage.params import PATCHES
+from fcdp_lab import sabotage
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs/results/reliability/soak.jsonl"
@@ -34,7 +34,7 @@ BEGIN, END = "<!-- soak-table:begin -->", "<!-- soak-table:end -->"
 WINDOW = "invalidation.checkpoint_window"
 #: Every single ``invalidation.*`` variant (``fcdp_lab/sabotage/params.py``), and the pair that leaves the optimizer
 #: step without any invalidation.
-FAULT_VARIANTS = (*(name for name in PATCHES if name.startswith("invalidation.")),
+FAULT_VARIANTS = (*(name for name in sabotage.known() if name.startswith("invalidation.")),
                   "invalidation.optimizer_write,invalidation.step_end")
 
 

@@ -6,8 +6,6 @@
 - ``compression.own_row``: the gradient exchange quantizes the own row like the others (``GradCompressor.own_row_exact``);
 - ``compression.clip``: residuals are committed without the step's clip coefficient;
 - ``compression.share``: a checkpoint load rebuilds each reference bundle from the wrong peers' rows (rolled by one).
-
-Reversible in a block with :func:`fcdp_lab.sabotage.grads.applied`.
 """
 from __future__ import annotations
 
@@ -15,10 +13,10 @@ from typing import Any, Optional
 
 import torch
 
-from fcdp_lab.sabotage.grads import replace, reversible
+from fcdp_lab.sabotage import replace, variant
 
 
-@reversible("compression.reconstruction")
+@variant("compression.reconstruction")
 def reconstruction(_: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.compression_reference import ReferenceStore
     original = ReferenceStore.write_many
@@ -31,20 +29,20 @@ def reconstruction(_: Optional[str]) -> None:
     replace(ReferenceStore, "write_many", write_many)
 
 
-@reversible("compression.own_row")
+@variant("compression.own_row")
 def own_row(_: Optional[str]) -> None:
     from fcdp_deepspeed.grads.compressed import GradCompressor
     replace(GradCompressor, "own_row_exact", lambda self: False)
 
 
-@reversible("compression.clip")
+@variant("compression.clip")
 def clip(_: Optional[str]) -> None:
     from fcdp_deepspeed.grads.compressed import GradCompressor
     original = GradCompressor.commit
     replace(GradCompressor, "commit", lambda self, clip=None: original(self, clip=None))
 
 
-@reversible("compression.share")
+@variant("compression.share")
 def share(_: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.compression_reference import ReferenceCheckpoint
     original = ReferenceCheckpoint._gather_shares

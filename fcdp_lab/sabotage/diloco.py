@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fcdp_lab.sabotage import variant
+from fcdp_lab.sabotage import replace, variant
 
 
 @variant("diloco.read_early")
@@ -25,25 +25,25 @@ def _read_early(value: Optional[str]) -> None:
     @functools.wraps(original)
     def finish(self, flight, wait=True):
         return original(self, flight, wait=False)
-    PseudoGradExchange.finish = finish
+    replace(PseudoGradExchange, "finish", finish)
 
 
 @variant("diloco.skip_reassign")
 def _skip_reassign(value: Optional[str]) -> None:
     from fcdp_deepspeed.diloco.sync import DiLoCoSync
-    DiLoCoSync.reassign = staticmethod(lambda optimizer, pieces: None)
+    replace(DiLoCoSync, "reassign", staticmethod(lambda optimizer, pieces: None))
 
 
 @variant("diloco.skip_warmup")
 def _skip_warmup(value: Optional[str]) -> None:
     from fcdp_deepspeed.engine.diloco_steps import DiLoCoSteps
-    DiLoCoSteps._diloco_before_step = lambda self: None
+    replace(DiLoCoSteps, "_diloco_before_step", lambda self: None)
 
 
 @variant("diloco.node_files")
 def _node_files(value: Optional[str]) -> None:
     """Every file wrapper finds no node index (DeepSpeed's names and ownership), and a load checks nothing."""
     from fcdp_deepspeed.diloco import files
-    files._node_index = lambda engine: None
-    files.cross_mode_problem = lambda diloco, tag_dir: None
-    files.saved_dp_world_size = lambda engine, tag_dir: None
+    replace(files, "_node_index", lambda engine: None)
+    replace(files, "cross_mode_problem", lambda diloco, tag_dir: None)
+    replace(files, "saved_dp_world_size", lambda engine, tag_dir: None)

@@ -17,83 +17,13 @@ leave pending groups), ``stale_reference`` (a pending compressed group survives 
 each rank's wait order), ``stage2_early`` (stage 2 without waiting for stage 1), ``delay=SECONDS`` (every stage 1
 issued that late).
 
-A rank process takes them from ``FCDP_LAB_BREAK`` at start (:func:`fcdp_lab.sabotage.install`: for the whole run). A
-worker that compares runs in one process, and the fuzz's rank server between sequences, apply them for a while
-instead: :func:`apply` returns what undoes them, :func:`applied` is the same as a context manager.
 """
 from __future__ import annotations
 
-import functools
-import os
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Optional
 
-from fcdp_lab.sabotage import parse, variant
-
-#: This module's variants, by name (the ones :func:`apply` knows).
-PATCHES: dict[str, Callable[[Optional[str]], None]] = {}
-#: While :func:`apply` runs: ``(owner, attribute, previous value)`` of every attribute set, to restore.
-_UNDO: Optional[list] = None
-_MISSING = object()
-
-
-def _variant(name: str) -> Callable:
-    def register(patch: Callable[[Optional[str]], None]) -> Callable[[Optional[str]], None]:
-        PATCHES[name] = patch
-        return variant(name)(patch)
-    return register
-
-
-def _set(owner: Any, attribute: str, value: Any) -> None:
-    """``owner.attribute = value``, recorded for :func:`apply`'s undo when one runs."""
-    if _UNDO is not None:
-        _UNDO.append((owner, attribute, vars(owner).get(attribute, _MISSING)))
-    setattr(owner, attribute, value)
-
-
-def _wrap(owner: Any, attribute: str, make: Callable[[Callable], Callable]) -> None:
-    """``owner.attribute`` replaced by ``make(original)`` (``__wrapped__``: the original)."""
-    original = getattr(owner, attribute)
-    _set(owner, attribute, functools.wraps(original)(make(original)))
-
-
-def apply(value: str) -> Callable[[], None]:
-    """Apply this module's variants named in ``value`` (``FCDP_LAB_BREAK``'s syntax, ``@RANK`` against ``$RANK``)
-    now; return what restores every attribute they set."""
-    global _UNDO
-    rank = int(os.environ.get("RANK", "0"))
-    named = parse(value)
-    unknown = [name for name, _, _ in named if name not in PATCHES]
-    if unknown:
-        raise ValueError(f"unknown broken variant {unknown}; known here: {sorted(PATCHES)}")
-    undo: list = []
-    _UNDO = undo
-    try:
-        for name, only, arg in named:
-            if only is None or only == rank:
-                PATCHES[name](arg)
-    finally:
-        _UNDO = None
-
-    def restore() -> None:
-        for owner, attribute, previous in reversed(undo):
-            if previous is _MISSING:
-                delattr(owner, attribute)
-            else:
-                setattr(owner, attribute, previous)
-        undo.clear()
-    return restore
-
-
-@contextmanager
-def applied(value: str) -> Iterator[None]:
-    """:func:`apply` for the block (``""``: nothing)."""
-    restore = apply(value)
-    try:
-        yield
-    finally:
-        restore()
+from fcdp_lab.sabotage import replace, variant, wrap
 
 
 def _seconds(value: Optional[str]) -> float:
@@ -110,7 +40,7 @@ def _seconds(value: Optional[str]) -> float:
 
 
 # -- invalidation ----------------------------------------------------------------------------------------
-@_variant("invalidation.optimizer_write")
+@variant("invalidation.optimizer_write")
 def _optimizer_write(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.invalidation import Invalidation
 
@@ -118,24 +48,24 @@ def _optimizer_write(value: Optional[str]) -> None:
         def params(self, params, reason):
             return 0 if reason == "optimizer_write" else original(self, params, reason)
         return params
-    _wrap(Invalidation, "params", make)
+    wrap(Invalidation, "params", make)
 
 
-@_variant("invalidation.step_end")
+@variant("invalidation.step_end")
 def _step_end(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.invalidation import Invalidation
-    _wrap(Invalidation, "changed", lambda original: lambda self: None)
+    wrap(Invalidation, "changed", lambda original: lambda self: None)
 
 
-@_variant("invalidation.requires_grad")
+@variant("invalidation.requires_grad")
 def _requires_grad(value: Optional[str]) -> None:
     """The step end's rule without ``requires_grad``: a parameter unfrozen between steps is served as frozen."""
     from fcdp_deepspeed.runtime.invalidation import Invalidation
-    _wrap(Invalidation, "stepped",
+    wrap(Invalidation, "stepped",
           lambda original: lambda self, param: param.ds_id in self.optimizer_ids or not self.keep_frozen)
 
 
-@_variant("invalidation.checkpoint")
+@variant("invalidation.checkpoint")
 def _checkpoint(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.invalidation import Invalidation
 
@@ -143,10 +73,10 @@ def _checkpoint(value: Optional[str]) -> None:
         def flush(self, reason):
             return None if reason == "checkpoint" else original(self, reason)
         return flush
-    _wrap(Invalidation, "flush", make)
+    wrap(Invalidation, "flush", make)
 
 
-@_variant("invalidation.refresh")
+@variant("invalidation.refresh")
 def _refresh(value: Optional[str]) -> None:
     """A refill of a filled slot (``partition(has_been_updated=True)``) does not happen: the slot keeps the old value."""
     from fcdp_deepspeed.storage.cache import NodeCache
@@ -155,10 +85,10 @@ def _refresh(value: Optional[str]) -> None:
         def _fill(self, entry, refresh, taken):
             return None if refresh else original(self, entry, refresh, taken)
         return _fill
-    _wrap(NodeCache, "_fill", make)
+    wrap(NodeCache, "_fill", make)
 
 
-@_variant("invalidation.checkpoint_window")
+@variant("invalidation.checkpoint_window")
 def _checkpoint_window(value: Optional[str]) -> None:
     """A checkpoint event discards the node buffer's partial window sums (a save, a 16-bit consolidation or a load
     inside an accumulation window), where DeepSpeed keeps its own."""
@@ -170,11 +100,11 @@ def _checkpoint_window(value: Optional[str]) -> None:
                 self.fcdp_grads.new_window(discard=True)
             return original(self)
         return checkpoint_event_epilogue
-    _wrap(FCDPStage3, "checkpoint_event_epilogue", make)
+    wrap(FCDPStage3, "checkpoint_event_epilogue", make)
 
 
 # -- push -----------------------------------------------------------------------------------------------
-@_variant("push.read_early")
+@variant("push.read_early")
 def _read_early(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.sequencer import StageTwo
     from fcdp_deepspeed.runtime.staged import StreamAhead
@@ -183,11 +113,11 @@ def _read_early(value: Optional[str]) -> None:
         def wait_stage1(self, entry):
             return None if entry.pushed else original(self, entry)
         return wait_stage1
-    _wrap(StageTwo, "wait_stage1", make)
-    _set(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
+    wrap(StageTwo, "wait_stage1", make)
+    replace(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
 
 
-@_variant("push.skip_invalidation")
+@variant("push.skip_invalidation")
 def _skip_invalidation(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.runahead import RunAhead
 
@@ -195,16 +125,16 @@ def _skip_invalidation(value: Optional[str]) -> None:
         def cancel(self, params, unused=False):
             return None if params is not None else original(self, params, unused)
         return cancel
-    _wrap(RunAhead, "cancel", make)
+    wrap(RunAhead, "cancel", make)
 
 
-@_variant("push.stale_reference")
+@variant("push.stale_reference")
 def _stale_reference(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime import runahead
-    _wrap(runahead, "_pop_overlapping_lossy", lambda original: lambda pending, key: [])
+    wrap(runahead, "_pop_overlapping_lossy", lambda original: lambda pending, key: [])
 
 
-@_variant("push.delay")
+@variant("push.delay")
 def _push_delay(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.runahead import RunAhead
     seconds = _seconds(value)
@@ -216,11 +146,11 @@ def _push_delay(value: Optional[str]) -> None:
             time.sleep(seconds)
             return original(self)
         return push
-    _wrap(RunAhead, "push", make)
+    wrap(RunAhead, "push", make)
 
 
 # -- gather ---------------------------------------------------------------------------------------------
-@_variant("gather.drain_own")
+@variant("gather.drain_own")
 def _drain_own(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.sequencer import StageTwo
 
@@ -232,16 +162,16 @@ def _drain_own(value: Optional[str]) -> None:
                 self.pending.remove(upto)
                 self._issue(upto)
         return drain
-    _wrap(StageTwo, "drain", make)
+    wrap(StageTwo, "drain", make)
 
 
-@_variant("gather.stage2_early")
+@variant("gather.stage2_early")
 def _stage2_early(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.sequencer import StageTwo
-    _wrap(StageTwo, "wait_stage1", lambda original: lambda self, entry: None)
+    wrap(StageTwo, "wait_stage1", lambda original: lambda self, entry: None)
 
 
-@_variant("gather.delay")
+@variant("gather.delay")
 def _gather_delay(value: Optional[str]) -> None:
     from fcdp_deepspeed.runtime.gather import HierarchicalGather
     seconds = _seconds(value)
@@ -253,4 +183,4 @@ def _gather_delay(value: Optional[str]) -> None:
             time.sleep(seconds)
             return original(self, *args, **kwargs)
         return stage1
-    _wrap(HierarchicalGather, "stage1", make)
+    wrap(HierarchicalGather, "stage1", make)

@@ -24,7 +24,7 @@ from fcdp_deepspeed.compress import quant
 from fcdp_deepspeed.runtime import compressed_gather as cparams
 from fcdp_deepspeed.runtime import compression as rcompression
 from fcdp_lab.harness import toy
-from fcdp_lab.sabotage.grads import applied
+from fcdp_lab.sabotage import applied
 from workers.common import LogCapture, fcdp_block, setup
 from workers.replicas import ReplicaHashes
 

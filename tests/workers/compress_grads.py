@@ -20,7 +20,7 @@ from fcdp_deepspeed.grads import compressed as compress_grads, own_chunk_numel
 from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.grads.residual import ResidualStore
 from fcdp_lab.harness import toy
-from fcdp_lab.sabotage.grads import applied
+from fcdp_lab.sabotage import applied
 from workers import grads as grad_workers
 from workers.common import LogCapture, setup
 from workers.replicas import ReplicaHashes

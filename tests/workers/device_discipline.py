@@ -23,7 +23,7 @@ from fcdp_deepspeed.runtime.staged import StreamAhead
 from fcdp_deepspeed.storage.cache import NodeCache
 from fcdp_lab import strict
 from fcdp_lab.harness import toy
-from fcdp_lab.sabotage import grads as grads_sabotage
+from fcdp_lab import sabotage as lab_sabotage
 from fcdp_lab.strict import strict_device, strict_streams
 from workers import grads as grad_workers
 from workers.common import setup
@@ -209,7 +209,7 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
     elif kind == "two_stage_gather":  # stage 2 is not ordered after stage 1 (the peer group's all-gather)
         patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
     elif kind in ("inter_node_wait", "codec_inter_node_wait"):  # completion reads before waiting for the collective
-        patches.enter(grads_sabotage.applied("grads.read_early"))
+        patches.enter(lab_sabotage.applied("grads.read_early"))
     elif kind == "ahead_ready":  # the gather stream reads a stash without waiting for its stage 1 (staged.py)
         patches.set(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
     elif kind == "ahead_release":  # stashes dropped without asking their copy's event

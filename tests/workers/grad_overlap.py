@@ -7,7 +7,7 @@ import time
 from deepspeed import comm as dist
 
 from fcdp_deepspeed.grads import collectives
-from fcdp_lab.sabotage.grads import applied
+from fcdp_lab.sabotage import applied
 from workers import grads as grad_workers
 from workers.common import setup
 

@@ -405,7 +405,7 @@ def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ran
     gloo's all-to-all: fp32 and bf16 boundary errors against the float64 reference, and how many of FCDP's stage
     reductions took each branch (the forced one ran)."""
     from fcdp_deepspeed.grads.collectives import StageCollectives
-    from fcdp_lab.sabotage.grads import applied
+    from fcdp_lab.sabotage import applied
     branches = {"reduce_scatter_tensor": 0, "all_to_all": 0}
     original = StageCollectives._issue_scatter_sum
 

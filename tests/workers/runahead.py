@@ -8,7 +8,7 @@ from deepspeed import comm as dist
 import fcdp_deepspeed
 from fcdp_deepspeed.storage import freshness
 from fcdp_lab.harness import toy
-from fcdp_lab.sabotage import params as sabotage
+from fcdp_lab import sabotage
 from workers.common import fcdp_block, forward, setup
 
 HIDDEN = 32

@@ -10,7 +10,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 import fcdp_deepspeed
 from fcdp_deepspeed.runtime.fetch import flat_reference
 from fcdp_lab.harness import toy
-from fcdp_lab.sabotage import params as sabotage
+from fcdp_lab import sabotage
 from workers.common import fcdp_block, setup
 
 HIDDEN = 32
@@ -29,7 +29,7 @@ def _exact(params: list) -> list[bool]:
 def wait_orders(broken: str = "") -> dict:
     """Two same-size misses gathered as two handles; ranks of one node wait them in opposite orders (as DeepSpeed's
     per-rank ``set`` order can). Then one coalesced fetch of both per module: the handle completes only the part of
-    the parameter whose module is active. ``broken``: a ``gather.*`` variant for the two waits (``sabotage.params``)."""
+    the parameter whose module is active. ``broken``: a ``gather.*`` variant for the two waits (``fcdp_lab/sabotage/params.py``)."""
     setup()
     restore = sabotage.apply(f"gather.{broken}" if broken else "")
     engine = _engine(True)
