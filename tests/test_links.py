@@ -1,4 +1,4 @@
-"""The link sampler ([Note: link samples] in ``tools/harness/links.py``): what it computes from counter samples, and
+"""The link sampler ([Note: link samples] in ``fcdp_lab/harness/links.py``): what it computes from counter samples, and
 that on a real emulated cluster it sees which node sends, at the shaped rate, and a pause in the middle."""
 from __future__ import annotations
 

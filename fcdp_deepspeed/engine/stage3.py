@@ -19,7 +19,7 @@ Invalidation events (every path that writes a parameter's bit16 value):
   place by the cache's partition hook (``runtime.attach._SecondaryHook``).
 An overflow-skipped step returns before any of these: nothing changed, nothing is invalidated.
 
-``fcdp.param_compression``'s references (``compress/reference.py``) are optimizer state: ``state_dict``
+``fcdp.param_compression``'s references (``runtime/compression_reference.py``) are optimizer state: ``state_dict``
 adds them to each rank's optimizer state (the ``fcdp_compression`` envelope, ``compress/state.py``) and
 ``load_state_dict`` restores them (a checkpoint without them, or of another codec or layout, starts
 them empty); ``_restore_from_bit16_weights`` drops them (``refresh_fp32_params``) or, inside a load (without
@@ -184,7 +184,7 @@ class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
 class CompressionSteps:
     """``FCDPStage3``'s compression part (a mixin of helpers; no DeepSpeed method is overridden here): error-feedback
     residuals are committed when a step is applied and dropped otherwise ([Note: residual commit] in
-    ``compress/residual.py``), and saved/loaded in the ``fcdp_compression`` envelope of the optimizer's state dict
+    ``grads/residual.py``), and saved/loaded in the ``fcdp_compression`` envelope of the optimizer's state dict
     ([Note: the envelope] in ``compress/state.py``), with the parameter references and the events that drop them
     (``fcdp.param_compression``)."""
 
@@ -219,7 +219,7 @@ class CompressionSteps:
 
     def _fcdp_clip_coefficient(self):
         """The factor this step's ``unscale_and_clip_grads`` applied beyond the loss scale, as a device tensor
-        (``None`` without clipping): [Note: residuals and clipping] in ``compress/grads.py``."""
+        (``None`` without clipping): [Note: residuals and clipping] in ``grads/compressed.py``."""
         return compress_grads.clip_coefficient(getattr(self, "_global_grad_norm", None), self.clip_grad)
 
 

@@ -59,7 +59,7 @@ run-ahead on streams] in ``staged.py``).
 
 [Note: compressed groups run ahead] With ``fcdp.param_compression`` a group whose stage 1 is compressed runs ahead
 too: it is encoded when it is issued (against the references of that moment) and decoded, writing the new references,
-when its fetch's queue waits for it ([Note: the compressed stage 1 in flight] in ``compress/params.py``). Between the
+when its fetch's queue waits for it ([Note: the compressed stage 1 in flight] in ``runtime/compressed_gather.py``). Between the
 two nothing else may write those references: a fetch that gathers one of its parameters in another grouping (its own
 stage 1 rewrites the reference) drops it first, so does a fetch whose split (exact or compressed, decided from the
 references as they are then) differs from the plan's, and every invalidation drops it as for an exact group.
@@ -137,7 +137,7 @@ class Pending:
     flat: torch.Tensor
     bundle: torch.Tensor
     part: int
-    #: What completes stage 1: its work, or under ``fcdp.param_compression`` a ``StageOne`` (``compress/params.py``).
+    #: What completes stage 1: its work, or under ``fcdp.param_compression`` a ``StageOne`` (``runtime/compressed_gather.py``).
     work: Any
     nbytes: int = 0
     #: A compressed stage 1 ([Note: compressed groups run ahead]).

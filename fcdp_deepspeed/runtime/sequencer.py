@@ -45,7 +45,7 @@ class Deferred:
     flat: torch.Tensor
     bundle: torch.Tensor
     #: What completes stage 1: its work, or with ``fcdp.param_compression`` a ``StageOne`` whose ``wait`` also
-    #: decodes into the bundle ([Note: the compressed stage 1 in flight] in ``compress/params.py``).
+    #: decodes into the bundle ([Note: the compressed stage 1 in flight] in ``runtime/compressed_gather.py``).
     stage1: Any
     #: Stage 1 was issued at the previous step's end (``runahead.py``): its wait is the timeline's push wait.
     pushed: bool = False

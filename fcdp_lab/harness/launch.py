@@ -106,7 +106,7 @@ def _run_local(target, world_size, kwargs, timeout, env, pythonpath, rank_env, c
     per_node = world_size // cluster.nodes if cluster is not None else world_size
     path = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
     procs = []
-    server = None  # [Note: fork server] ranks forked with torch and DeepSpeed imported; see tools/harness/forkserver.py
+    server = None  # [Note: fork server] ranks forked with torch and DeepSpeed imported; see fcdp_lab/harness/forkserver.py
     try:
         for r in range(world_size):
             e = dict(os.environ)

@@ -15,7 +15,7 @@ against the compressed paths' counters (``tests/test_planner.py``):
   :func:`residual_bytes_per_rank`, two fp32 slots (committed and pending) of the N - 1 rows a rank sends
   of every trainable parameter, ``2 x 4 x (N - 1) x ceil(numel / W)`` bytes each, about 8 (N - 1)/W bytes
   per trainable parameter, in every precision (its own row stays exact, [Note: the own row] in
-  ``compress/grads.py``).
+  ``grads/compressed.py``).
 
 Wire bytes per message are :func:`wire_bytes`, the codec's own ``wire_numel``: ``ceil(n / block)`` fp32
 scales plus the codes of whole blocks (the last one zero-padded), ``ceil(n / block) * (4 + block)`` for int8
