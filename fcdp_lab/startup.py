@@ -38,8 +38,15 @@ def _strict() -> None:
 
 def run() -> None:
     if os.environ.get("FCDP_LAB_BREAK"):
-        from fcdp_lab import sabotage
-        sabotage.install()
+        # [Note: a bad variant ends the process] Python reports an exception raised while it runs a .pth line and
+        # starts the process anyway: a misspelt variant would then run the working code under a broken name.
+        try:
+            from fcdp_lab import sabotage
+            sabotage.install()
+        except Exception as exc:  # noqa: BLE001 - any failure to install is fatal here
+            sys.stderr.write(f"fcdp_lab: FCDP_LAB_BREAK={os.environ['FCDP_LAB_BREAK']!r}: {exc}\n")
+            sys.stderr.flush()
+            os._exit(2)
     if os.environ.get("FCDP_STRICT_DEVICE", "").strip().lower() in ("1", "true"):
         # the engines' module imports DeepSpeed: wrapped when the process imports it, not at every start
         if "fcdp_deepspeed.engine.stage3" in sys.modules:

@@ -103,8 +103,10 @@ def test_broken_variant_names_are_checked_and_undone():
     from fcdp_deepspeed.storage.cache import NodeCache
     flush, fill = Invalidation.flush, NodeCache._fill
     restore = sabotage.apply("invalidation.checkpoint, invalidation.refresh")
-    assert Invalidation.flush.__wrapped__ is flush and NodeCache._fill.__wrapped__ is fill
-    restore()
+    try:
+        assert Invalidation.flush.__wrapped__ is flush and NodeCache._fill.__wrapped__ is fill
+    finally:
+        restore()
     assert Invalidation.flush is flush and NodeCache._fill is fill
     with pytest.raises(ValueError, match="unknown broken variant"):
         sabotage.apply("invalidation.chekpoint")

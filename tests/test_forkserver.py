@@ -65,3 +65,16 @@ def test_a_broken_variant_named_for_one_run_does_not_reach_the_next():
     assert all(r["patched"] and r["named"] == "push.skip_invalidation" for r in broken), broken
     assert not any(r["patched"] or r["named"] for r in clean), clean
     assert len({r["ppid"] for r in broken + clean}) == 1, (broken, clean)  # the same server forked both runs
+
+
+def test_a_misspelt_variant_ends_a_process_started_without_the_harness():
+    """A process the venv starts (torchrun's, the launcher's, a test's own) installs ``FCDP_LAB_BREAK`` from
+    ``fcdp_lab.pth``; a name it does not know ends it, rather than running the working code under a broken name."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bad = subprocess.run([sys.executable, "-c", "print('RAN')"], env={**env, "FCDP_LAB_BREAK": "push.bogus"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "RAN" not in bad.stdout and "push.bogus" in bad.stderr, bad
+    good = subprocess.run([sys.executable, "-c", "print('RAN')"], env=env, capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0 and good.stdout.strip() == "RAN", good

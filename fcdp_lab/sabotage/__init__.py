@@ -14,7 +14,8 @@ Every rank process applies them when it starts (:func:`install`, idempotent): th
 ``fcdp_lab/startup.py``, which ``fcdp_lab.pth`` (``scripts/setup_env.sh``) runs at every interpreter start of the
 venv, for processes started by torchrun, the deepspeed launcher or a test's own subprocess. A worker that compares
 a working and a broken run in one process, and the event machine's rank server between sequences, apply variants for a
-while instead: :func:`apply` returns what undoes them, :func:`applied` is the same as a context manager.
+while instead: :func:`apply` returns what undoes them, :func:`applied` is the same as a context manager. A variant takes
+effect for the engines built after it is applied (an engine may keep bound methods it took at build).
 """
 from __future__ import annotations
 
@@ -91,13 +92,6 @@ def apply(value: str) -> Callable[[], None]:
     global _UNDO
     rank = int(os.environ.get("RANK", "0"))
     undo: list = []
-    _UNDO = undo
-    try:
-        for name, only, arg in _named(value):
-            if only is None or only == rank:
-                _VARIANTS[name](arg)
-    finally:
-        _UNDO = None
 
     def restore() -> None:
         for owner, attribute, previous in reversed(undo):
@@ -106,6 +100,17 @@ def apply(value: str) -> Callable[[], None]:
             else:
                 setattr(owner, attribute, previous)
         undo.clear()
+
+    _UNDO = undo
+    try:
+        for name, only, arg in _named(value):
+            if only is None or only == rank:
+                _VARIANTS[name](arg)
+    except BaseException:
+        restore()  # a variant that failed half-way leaves nothing behind
+        raise
+    finally:
+        _UNDO = None
     return restore
 
 

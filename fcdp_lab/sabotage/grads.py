@@ -43,7 +43,9 @@ def no_drain(_: Optional[str]) -> None:
 @variant("grads.delay")
 def delay(value: Optional[str]) -> None:
     from fcdp_deepspeed.grads.collectives import StageCollectives
-    seconds = float(value or 0)
+    if value is None:
+        raise ValueError("grads.delay needs its seconds: grads.delay=SECONDS")
+    seconds = float(value)
     original = StageCollectives.issue_across_nodes
 
     def issue_across_nodes(self: Any, *args: Any, **kwargs: Any) -> Any:
