@@ -182,6 +182,7 @@ def test_the_planners_wire_bytes_are_the_codecs():
         for numel in (1, 127, 128, 129, 1000, 263_939):
             for block in (8, 64, 128, 256):
                 assert wire_bytes(codec, numel, block, 2) == codec_wire_bytes(codec, numel, block, 2), (codec, numel)
+            assert wire_bytes(codec, numel) == codec_wire_bytes(codec, numel), (codec, numel)  # the same default block
 
 
 def test_residual_bytes_are_two_fp32_slots_of_the_sent_rows():

@@ -436,6 +436,7 @@ def codec_for(name: str, block: int = DEFAULT_BLOCK, side: str = "params") -> Co
 
 def wire_bytes(name: str, numel: int, block: int = DEFAULT_BLOCK, dtype_bytes: int = 4) -> int:
     """Bytes one message of ``numel`` values costs on the wire with codec ``name`` (``off``: the exact
-    ``numel * dtype_bytes``): the planner's model of the compressed rows."""
+    ``numel * dtype_bytes``), from the codec itself: what ``fcdp plan``'s torch-free arithmetic
+    (``tools/plan/compression.py``) is checked against."""
     codec = codec_for(name, block)
     return numel * dtype_bytes if codec is None else codec.wire_numel(numel)
