@@ -1,5 +1,5 @@
 """Run by ``fcdp_lab.pth`` at every interpreter start of the venv: nothing, unless a test named broken variants
-(``FCDP_LAB_BREAK``) or strict device mode (``FCDP_STRICT_DEVICE=1``) for the processes it starts. Standard library
+(``FCDP_LAB_BREAK``), a declared link (``FCDP_LAB_LINK``) or strict device mode (``FCDP_STRICT_DEVICE=1``) for the processes it starts. Standard library
 only until then: every interpreter of the venv pays for this file."""
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def _strict() -> None:
     strict.install()
 
 
+def _link() -> None:
+    from fcdp_lab import link_declaration
+    link_declaration.install()
+
+
 def run() -> None:
     if os.environ.get("FCDP_LAB_BREAK"):
         # [Note: a bad variant ends the process] Python reports an exception raised while it runs a .pth line and
@@ -47,6 +52,11 @@ def run() -> None:
             sys.stderr.write(f"fcdp_lab: FCDP_LAB_BREAK={os.environ['FCDP_LAB_BREAK']!r}: {exc}\n")
             sys.stderr.flush()
             os._exit(2)
+    if os.environ.get("FCDP_LAB_LINK"):  # [Note: why the suite declares its link] (link_declaration.py)
+        if "fcdp_deepspeed.machine.link" in sys.modules:
+            _link()
+        else:
+            after_import("fcdp_deepspeed.machine.link", _link)
     if os.environ.get("FCDP_STRICT_DEVICE", "").strip().lower() in ("1", "true"):
         # the engines' module imports DeepSpeed: wrapped when the process imports it, not at every start
         if "fcdp_deepspeed.engine.stage3" in sys.modules:

@@ -18,6 +18,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # plain `pytest` gets the same per-venv directory.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
+# [Note: why the suite declares its link] (fcdp_lab/link_declaration.py): loopback "nodes" get FCDP's paths.
+os.environ.setdefault("FCDP_LAB_LINK", "slow")
+
 TESTS_DIR = str(Path(__file__).parent)
 
 # [Note: the fast tier] CI (``bash scripts/test.sh``) runs every test: its hard limit is 90 minutes and the whole

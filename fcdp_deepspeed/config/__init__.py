@@ -226,6 +226,14 @@ class FCDPConfig(DiLoCoField):
     result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
     (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
 
+    link: Literal["probe", "slow", "fast"] = "probe"
+    """Whose data paths the ``auto`` keys resolve to, with several nodes of several ranks. ``probe``: time one fetch
+    of the model's mean module size each way on the job's own groups at build (about a second) and run FCDP's paths
+    (the cache, the two-stage gather and reduce, node accumulation) where the inter-node link is the bottleneck,
+    ZeRO-3's (nothing cached, every path flat) where it is not; every rank makes the same choice. ``slow``: FCDP's
+    paths without a probe. ``fast``: ZeRO-3's. Setting ``param_gather``, ``grad_reduce``, ``grad_accumulation`` or a
+    compression key chooses FCDP's paths and skips the probe ([Note: why a choice at all] in ``paths.py``)."""
+
     param_runahead_bytes: Annotated[int, BeforeValidator(_size_string_to_bytes)] = Field(64 * 2**20, ge=0, json_schema_extra={"sizes": True})
     """With the hierarchical gather on a host-communication backend (gloo): from the window's first two-stage gather,
     stage 1 of the next ones is issued ahead, at most this many bytes of full parameters in flight (rolling);
@@ -295,6 +303,15 @@ class FCDPConfig(DiLoCoField):
     @property
     def grad_buffer_budget_spec(self) -> Budget:
         return Budget.parse("grad_buffer_budget", self.grad_buffer_budget)
+
+    def paths_asked(self) -> bool:
+        """Whether a key says which paths to run (FCDP's): ``fcdp.link`` then decides nothing."""
+        return (self.param_gather != "auto" or self.grad_reduce != "auto" or self.grad_accumulation != "auto"
+                or self.param_compression != "off" or self.grad_compression != "off")
+
+    def on_zero3_paths(self) -> "FCDPConfig":
+        """This block with every path key resolved to ZeRO-3's (flat gather, flat reduce, per-rank accumulation)."""
+        return self.model_copy(update={"param_gather": "flat", "grad_reduce": "flat", "grad_accumulation": "rank"})
 
     def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
         """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,

@@ -32,6 +32,9 @@ def _cache_words(runtime: Any) -> str:
     cached = [e for e in entries if e.state is not EntryState.DISABLED]
     if topo.num_nodes == 1:
         return "no cache (one node: nothing to save across nodes)"
+    choice = getattr(runtime, "paths", None)
+    if choice is not None and choice.paths.value == "zero3":
+        return f"ZeRO-3's paths, nothing cached ({choice.why})"
     where = {p.value: sum(e.nbytes for e in cached if e.placement is p) for p in Placement}
     slots = " + ".join(f"{fmt_bytes(n)} {name}" for name, n in where.items() if n) or "0 B"
     host_node = allocation.host_budget * topo.ranks_per_node
@@ -66,8 +69,11 @@ def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
     its :class:`~fcdp_deepspeed.grads.plan.GradPlan` (``None``: an engine without an optimizer)."""
     topo, config = runtime.topology, runtime.config
     grads = grad_words(grad_plan)
+    choice = getattr(runtime, "paths", None)
+    probed = (f"FCDP's paths ({choice.why}); " if choice is not None and choice.paths.value == "fcdp"
+              and choice.times is not None else "")
     return (f"fcdp: ON for this engine: {plural(topo.num_nodes, 'node')} x {plural(topo.ranks_per_node, 'rank')} per node "
-            f"(from {topo.source}); {_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
+            f"(from {topo.source}); {probed}{_cache_words(runtime)}; param_gather {runtime.param_gather}; {grads}; "
             f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
             f"{runtime.log_interval or 'no'} steps at INFO "
             f"(deepspeed.utils.logging.set_log_level_from_string(\"info\")).")

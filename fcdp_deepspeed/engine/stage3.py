@@ -276,6 +276,7 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
                                 param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
+        fcdp_config = self.fcdp.config  # the paths resolved ([Note: why a choice at all] in paths.py)
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),

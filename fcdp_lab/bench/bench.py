@@ -48,6 +48,8 @@ JOBS = ("full", "lora")
 #: The fcdp block of each FCDP engine (``ranks_per_node`` and host placement are added per run).
 FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fcdp_node": {"grad_accumulation": "node"},
                "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
+               # the block's defaults as a user writes it: every path key auto, fcdp.link's probe chooses the paths
+               "fcdp_defaults": {},
                # issue 31: the run-ahead of stage 1 (runtime/runahead.py) is opt-in; the committed
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
@@ -76,7 +78,7 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
+ALL_ENGINES = (*ENGINES, "fcdp_defaults", "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
                "fcdp_hier_rank", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
@@ -236,6 +238,7 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             "timeline_max_s": {k: max(r["timeline"][k] for r in everyone) for k in everyone[0]["timeline"]},
             "trace_last_step": _align_traces([r["trace"] for r in everyone]),
             "cache_hits": stats1["cache_hits"],
+            "paths": stats1.get("paths"), "paths_why": stats1.get("paths_why"),
             "losses": warm.losses + res.losses,
             "params": sum(p.ds_numel for p in engine.module.parameters()),
             "trainable_params": sum(p.ds_numel for p in engine.module.parameters() if p.requires_grad),

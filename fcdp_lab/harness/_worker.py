@@ -11,10 +11,11 @@ from pathlib import Path
 def main() -> None:
     target, workdir = sys.argv[1], Path(sys.argv[2])
     module_name, func_name = target.split(":")
-    from fcdp_lab import sabotage, strict
+    from fcdp_lab import link_declaration, sabotage, strict
     # the test's broken variants and strict device mode, in this rank (a forked rank took its environment just now;
     # its server never had FCDP_LAB_BREAK: harness/forkserver.py)
     sabotage.install()
+    link_declaration.install()
     strict.install_if_requested()
     with open(workdir / "kwargs.pkl", "rb") as f:
         kwargs = pickle.load(f)

@@ -31,9 +31,9 @@ FORKSERVER_ENV = "FCDP_FORKSERVER"
 #: not at import: they do not pick the server, and the server never has them. (PYTEST_CURRENT_TEST changes with
 #: every test. FCDP_LAB_BREAK names a run's broken variants: ``fcdp_lab/startup.py`` would patch a server started
 #: with it, and every rank forked from it later would inherit the patch; each rank installs its own, in
-#: ``_worker.main``.)
+#: ``_worker.main``; so does FCDP_LAB_LINK.)
 PER_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-            "PYTEST_CURRENT_TEST", "FCDP_LAB_BREAK")
+            "PYTEST_CURRENT_TEST", "FCDP_LAB_BREAK", "FCDP_LAB_LINK")
 #: Starts every line of the server's protocol on its stdout (replies ``ready``/``pid N``/``refused: why``,
 #: reports ``exit PID CODE``); other lines are output of the modules it imports.
 MARK = "fcdp-forkserver: "

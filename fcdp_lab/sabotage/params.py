@@ -184,3 +184,11 @@ def _gather_delay(value: Optional[str]) -> None:
             return original(self, *args, **kwargs)
         return stage1
     wrap(HierarchicalGather, "stage1", make)
+
+
+# -- link ------------------------------------------------------------------------------------------------------
+@variant("link.no_agreement")
+def _no_agreement(value: Optional[str]) -> None:
+    """Each rank decides from its own times ([Note: one choice per job] in ``machine/link.py``)."""
+    from fcdp_deepspeed.machine import link
+    replace(link, "agree", lambda times, dp_group: times)

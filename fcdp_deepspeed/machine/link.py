@@ -1,0 +1,87 @@
+"""The link probe: which paths an engine runs (``fcdp.link``), decided once at build, the same on every rank.
+
+The rule is :func:`fcdp_deepspeed.paths.choose` ([Note: why a choice at all] there); this module supplies its
+input, one fetch timed each way on the engine's own groups, and agrees on it. [Note: one choice per job] The times
+differ between ranks (each rank's clock, its share of the link), and a rank that chose other paths than its peers
+would issue other collectives and hang the job: every rank takes the largest time of each kind over the
+data-parallel group (one all-reduce), so every rank decides from the same numbers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from deepspeed import comm as dist
+
+from fcdp_deepspeed import paths
+from fcdp_deepspeed.config import FCDPConfig
+from fcdp_deepspeed.machine import comm_warmup, device
+from fcdp_deepspeed.machine.topology import Topology
+
+#: Timed repeats of each collective after one untimed; the fastest counts (the probe measures the link, not the
+#: scheduler's noise).
+REPEATS = 3
+
+
+def fetch_bytes(module: torch.nn.Module) -> int:
+    """Mean full bytes of the parameters one module owns directly (a fetch's size), over modules that own any."""
+    sizes = []
+    for sub in module.modules():
+        own = [p for p in sub.parameters(recurse=False) if hasattr(p, "ds_numel")]
+        if own:
+            sizes.append(sum(p.ds_numel * p.ds_tensor.element_size() for p in own))
+    return int(sum(sizes) / len(sizes)) if sizes else 0
+
+
+def choose_paths(config: FCDPConfig, topo: Topology, dp_group: Any, nbytes: int) -> paths.PathChoice:
+    """Collective over ``dp_group`` when it probes: the paths this engine runs."""
+    if config.paths_asked():
+        return paths.PathChoice(paths.Paths.FCDP, "the block sets a path key")
+    if config.link != "probe":
+        return paths.declared(config.link)
+    return paths.choose(agree(time_locally(topo, dp_group, max(nbytes, 4 * topo.dp_size)), dp_group))
+
+
+def time_locally(topo: Topology, dp_group: Any, nbytes: int) -> paths.FetchTimes:
+    """This rank's times of one fetch of ``nbytes`` each way, fitted from two timed sizes (at most
+    :data:`~fcdp_deepspeed.paths.PROBE_MAX_BYTES`). Collective over the DP, node and node-peer groups."""
+    comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group})  # before any use ([Note: why warm up])
+    world, per_node, nodes = topo.dp_size, topo.ranks_per_node, topo.num_nodes
+    large = max(world, min(nbytes, paths.PROBE_MAX_BYTES) // world * world)
+    small = max(world, large // 16 // world * world)
+    timed = {kind: [] for kind in ("flat", "two_stage", "node")}
+    for size in (small, large):
+        shard = size // world
+        full = device.accel_empty(size, torch.uint8)
+        mine = full.narrow(0, 0, shard)
+        bundle = full.narrow(0, 0, shard * nodes)
+        node_in = full.narrow(0, 0, size // per_node)
+        timed["flat"].append((size, _fastest(lambda: dist.allgather_fn(full, mine, group=dp_group), dp_group)))
+        stage1 = _fastest(lambda: dist.allgather_fn(bundle, mine, group=topo.peer_group), dp_group)
+        node = _fastest(lambda: dist.allgather_fn(full, node_in, group=topo.group), dp_group)
+        timed["two_stage"].append((size, stage1 + node))
+        timed["node"].append((size, node))
+    at = {kind: paths.fit(points[0], points[1], nbytes) for kind, points in timed.items()}
+    return paths.FetchTimes(nbytes, at["flat"], at["two_stage"], at["node"])
+
+
+def agree(times: paths.FetchTimes, dp_group: Any) -> paths.FetchTimes:
+    """Every rank's times replaced by the largest of each kind over the DP group ([Note: one choice per job])."""
+    values = device.small_to_accel([times.flat_s, times.two_stage_s, times.node_s], torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp_group)
+    flat, two_stage, node = device.small_to_host(values)
+    return paths.FetchTimes(times.nbytes, flat, two_stage, node, times.source)
+
+
+def _fastest(collective, dp_group: Any) -> float:
+    best = float("inf")
+    for attempt in range(REPEATS + 1):
+        dist.barrier(group=dp_group)
+        start = time.perf_counter()
+        collective()
+        device.host_wait(device.record_event())
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
