@@ -110,14 +110,14 @@ def fit(small: tuple[int, float], large: tuple[int, float], nbytes: int) -> floa
 
 def modeled_times(nbytes: int, nodes: int, ranks_per_node: int, inter_bytes_per_s: float,
                   intra_bytes_per_s: float, latency_s: float) -> FetchTimes:
-    """What a probe would measure on a described cluster (``inter_bytes_per_s`` per node uplink): ZeRO-3's ring
-    carries (W-1)/W of the fetch over every node uplink, stage 1 (N-1)/N of it (the node's L ranks share the uplink,
-    each sending its shard to N-1 peers), a node's all-gather (L-1)/L per rank inside the node; each collective is
-    ``latency_s`` plus its bytes over the rate."""
+    """What a probe would measure on a described cluster (``inter_bytes_per_s`` per node uplink), with ring
+    all-gathers: a ring over G ranks takes G-1 steps of ``latency_s`` each. ZeRO-3's ring carries (W-1)/W of the fetch
+    over every node uplink, stage 1 (N-1)/N of it (the node's L ranks share the uplink, each sending its shard to N-1
+    peers), a node's all-gather (L-1)/L per rank inside the node."""
     world = nodes * ranks_per_node
-    flat = latency_s + (world - 1) / world * nbytes / inter_bytes_per_s
-    stage1 = latency_s + (nodes - 1) / nodes * nbytes / inter_bytes_per_s
-    node = latency_s + (ranks_per_node - 1) / ranks_per_node * nbytes / intra_bytes_per_s
+    flat = (world - 1) * latency_s + (world - 1) / world * nbytes / inter_bytes_per_s
+    stage1 = (nodes - 1) * latency_s + (nodes - 1) / nodes * nbytes / inter_bytes_per_s
+    node = (ranks_per_node - 1) * latency_s + (ranks_per_node - 1) / ranks_per_node * nbytes / intra_bytes_per_s
     return FetchTimes(nbytes, flat, stage1 + node, node, source="modeled")
 
 

@@ -3,7 +3,8 @@
 - every module lies in one room (a folder of the package, or one of its four root files), and the rooms
   stand on floors (``FLOORS``, bottom first): a module imports, at module level or inside a function,
   modules of its own room and of rooms on lower floors only; two rooms on one floor never import each other;
-- the package root holds the facade, ``version.py``, ``run.py``, ``faults.py`` and the rooms' folders, each
+- the package root holds the facade, ``version.py``, ``run.py``, ``faults.py``, ``paths.py`` (the path rule, standard
+  library only, shared by the engine and ``fcdp plan``) and the rooms' folders, each
   with an ``__init__`` docstring that says what it holds; ``tools/`` holds the ``fcdp`` command's dispatch, its
   one-module commands and one folder per larger command;
 - the core (everything but ``tools/``, ``integrations/`` and the facade) never imports the tooling, the
@@ -40,7 +41,7 @@ STARTUP_MODULES = {PACKAGE, "fcdp_deepspeed.activation", "fcdp_deepspeed.activat
 #: The rooms, bottom floor first ("" is the facade, ``fcdp_deepspeed/__init__.py``; a root file is a room of its
 #: own). A module may import modules of its own room and of rooms on lower floors; rooms on one floor are apart.
 FLOORS: list[tuple[str, ...]] = [
-    ("faults", "version"),    # test faults; the package version
+    ("faults", "version", "paths"),  # test faults; the package version; which paths a job's links call for
     ("config",),              # the config blocks, their refusals, DeepSpeed's release differences
     ("machine",),             # the device door and strict mode; nodes, groups, communicators
     ("compress",),            # the codec of the inter-node hop (a leaf: each path applies it), its state envelope
@@ -248,7 +249,7 @@ def test_the_root_shows_the_rooms_and_each_says_what_it_holds():
     rooms = {room for floor in FLOORS for room in floor} - {""}
     files = {p.stem for p in PACKAGE_DIR.glob("*.py")}
     folders = {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").exists()}
-    assert files == {"__init__", "faults", "version", "run"}, files
+    assert files == {"__init__", "faults", "version", "run", "paths"}, files
     assert folders == rooms - files, folders
     for init in PACKAGE_DIR.rglob("__init__.py"):
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} says nothing of what it holds"

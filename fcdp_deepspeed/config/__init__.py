@@ -193,8 +193,8 @@ class FCDPConfig(DiLoCoField):
     """``flat``: DeepSpeed's reduce-scatter over the whole data-parallel group (bit-identical to
     ZeRO-3). ``hierarchical``: reduce inside the node, then across nodes among node peers only, so
     each node uplink carries (N-1)/N of the gradient once; the summation order differs from ZeRO-3.
-    ``auto``: ``hierarchical`` wherever there are N > 1 nodes of L > 1 ranks, else ``flat``
-    (docs/how-it-works.md)."""
+    ``auto``: ``hierarchical`` wherever there are N > 1 nodes of L > 1 ranks and ``link`` chose FCDP's paths, else
+    ``flat`` (docs/how-it-works.md)."""
 
     grad_accumulation: Literal["auto", "rank", "node"] = "auto"
     """``rank``: DeepSpeed's per-rank accumulation (every micro-step crosses nodes). ``node``: micro-steps
@@ -223,8 +223,9 @@ class FCDPConfig(DiLoCoField):
     """How a parameter the node cache does not serve (a miss) is gathered. ``flat``: DeepSpeed's ring
     all-gather over the whole data-parallel group ((W-1)/W of the parameter over each node uplink).
     ``hierarchical``: all-gather among node peers, then inside the node ((N-1)/N per uplink); the
-    result is bit-identical. ``auto``: hierarchical with several nodes of several ranks, flat otherwise
-    (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the same)."""
+    result is bit-identical. ``auto``: hierarchical with several nodes of several ranks where ``link`` chose FCDP's paths,
+    flat otherwise (one node, or one rank per node, where both stages would be one; ``hierarchical`` resolves the
+    same)."""
 
     link: Literal["probe", "slow", "fast"] = "probe"
     """Whose data paths the ``auto`` keys resolve to, with several nodes of several ranks. ``probe``: time one fetch

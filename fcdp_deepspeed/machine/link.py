@@ -8,6 +8,7 @@ data-parallel group (one all-reduce), so every rank decides from the same number
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -20,9 +21,8 @@ from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.machine import comm_warmup, device
 from fcdp_deepspeed.machine.topology import Topology
 
-#: Timed repeats of each collective after one untimed; the fastest counts (the probe measures the link, not the
-#: scheduler's noise).
-REPEATS = 3
+#: Timed rounds after one untimed; the fastest of each kind counts ([Note: a probe that holds still]).
+REPEATS = 5
 
 
 def fetch_bytes(module: torch.nn.Module) -> int:
@@ -46,24 +46,37 @@ def choose_paths(config: FCDPConfig, topo: Topology, dp_group: Any, nbytes: int)
 
 def time_locally(topo: Topology, dp_group: Any, nbytes: int) -> paths.FetchTimes:
     """This rank's times of one fetch of ``nbytes`` each way, fitted from two timed sizes (at most
-    :data:`~fcdp_deepspeed.paths.PROBE_MAX_BYTES`). Collective over the DP, node and node-peer groups."""
+    :data:`~fcdp_deepspeed.paths.PROBE_MAX_BYTES`). Collective over the DP, node and node-peer groups.
+
+    [Note: a probe that holds still] One collective of a megabyte takes a few milliseconds on a fast link, where the
+    scheduler's noise is of the same order. So every round times each kind at each size back to back, interleaved
+    (a slow moment slows all of them alike), the two stages of a miss as one unit (as a miss runs them), and the
+    fastest of :data:`REPEATS` rounds counts."""
     comm_warmup.warm_up({"node": topo.group, "node_peers": topo.peer_group})  # before any use ([Note: why warm up])
     world, per_node, nodes = topo.dp_size, topo.ranks_per_node, topo.num_nodes
     large = max(world, min(nbytes, paths.PROBE_MAX_BYTES) // world * world)
     small = max(world, large // 16 // world * world)
-    timed = {kind: [] for kind in ("flat", "two_stage", "node")}
+    runs = {}
     for size in (small, large):
         shard = size // world
         full = device.accel_empty(size, torch.uint8)
-        mine = full.narrow(0, 0, shard)
-        bundle = full.narrow(0, 0, shard * nodes)
-        node_in = full.narrow(0, 0, size // per_node)
-        timed["flat"].append((size, _fastest(lambda: dist.allgather_fn(full, mine, group=dp_group), dp_group)))
-        stage1 = _fastest(lambda: dist.allgather_fn(bundle, mine, group=topo.peer_group), dp_group)
-        node = _fastest(lambda: dist.allgather_fn(full, node_in, group=topo.group), dp_group)
-        timed["two_stage"].append((size, stage1 + node))
-        timed["node"].append((size, node))
-    at = {kind: paths.fit(points[0], points[1], nbytes) for kind, points in timed.items()}
+        mine, bundle, node_in = full.narrow(0, 0, shard), full.narrow(0, 0, shard * nodes), full.narrow(0, 0, size // per_node)
+        flat = functools.partial(dist.allgather_fn, full, mine, group=dp_group)
+        stage1 = functools.partial(dist.allgather_fn, bundle, mine, group=topo.peer_group)
+        node = functools.partial(dist.allgather_fn, full, node_in, group=topo.group)
+        runs.update({("flat", size): (flat,), ("two_stage", size): (stage1, node), ("node", size): (node,)})
+    best = {key: float("inf") for key in runs}
+    for attempt in range(REPEATS + 1):
+        for key, collectives in runs.items():
+            dist.barrier(group=dp_group)
+            start = time.perf_counter()
+            for collective in collectives:
+                collective()
+            device.host_wait(device.record_event())
+            if attempt:  # the first round is untimed (buffers, connections)
+                best[key] = min(best[key], time.perf_counter() - start)
+    at = {kind: paths.fit((small, best[(kind, small)]), (large, best[(kind, large)]), nbytes)
+          for kind in ("flat", "two_stage", "node")}
     return paths.FetchTimes(nbytes, at["flat"], at["two_stage"], at["node"])
 
 
@@ -73,15 +86,3 @@ def agree(times: paths.FetchTimes, dp_group: Any) -> paths.FetchTimes:
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dp_group)
     flat, two_stage, node = device.small_to_host(values)
     return paths.FetchTimes(times.nbytes, flat, two_stage, node, times.source)
-
-
-def _fastest(collective, dp_group: Any) -> float:
-    best = float("inf")
-    for attempt in range(REPEATS + 1):
-        dist.barrier(group=dp_group)
-        start = time.perf_counter()
-        collective()
-        device.host_wait(device.record_event())
-        if attempt:
-            best = min(best, time.perf_counter() - start)
-    return best

@@ -260,7 +260,16 @@ def resolved_plan(cfg: dict, nodes: int, ranks_per_node: int) -> dict:
     cache = ("none: one node, nothing to save across nodes" if nodes == 1 else
              f"cache_device {block.cache_device}, host budget {fmt_bytes(host_node)} per node on this machine "
              f"({block.host_budget!r} of {limit.describe()}), {fmt_bytes(host_node // ranks_per_node)} per rank")
-    return {"layout": layout, "cache": cache,
+    out = {"layout": layout}
+    if nodes > 1 and ranks_per_node > 1 and not block.paths_asked():
+        out["paths"] = ({"probe": "chosen when the engine is built, from a probe of the links (fcdp.link): FCDP's "
+                                  "as below where the inter-node link is the bottleneck, else ZeRO-3's (nothing cached, "
+                                  "every path flat); fcdp plan predicts the choice for a described cluster",
+                         "slow": "FCDP's (fcdp.link slow), as below",
+                         "fast": "ZeRO-3's (fcdp.link fast): nothing cached, every path flat"}[block.link])
+        if block.link == "fast":
+            return {**out, "compression": compression_words(block)}
+    return {**out, "cache": cache,
             "param_gather": block.resolved_param_gather(nodes, ranks_per_node),
             "grad_reduce": f"{grads.grad_reduce} ({grads.reduce_reason})", "grad_accumulation": accumulation,
             "compression": compression_words(block)}

@@ -115,7 +115,8 @@ def multi_gpu_rank(hidden: int, layers: int, steps: int, per_node: int, backend:
 
     get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend=backend)
-    node = lambda **kw: {"enabled": True, "ranks_per_node": per_node, **kw}  # noqa: E731
+    # the one GPU's "nodes" share its links: declare the slow link the check stands for (fcdp.link)
+    node = lambda **kw: {"enabled": True, "ranks_per_node": per_node, "link": "slow", **kw}  # noqa: E731
     # [Note: hpZ last] after an hpZ engine, FCDP refuses later models as partitioned with an hpZ
     # group (found by running this case on gloo); nothing FCDP runs after it here.
     flat = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # ZeRO-3's summation order: bit-identical

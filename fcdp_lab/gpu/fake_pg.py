@@ -90,7 +90,7 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     acc.empty_cache()
     base, base_reserved = acc.memory_allocated(), acc.memory_reserved()
     acc.reset_peak_memory_stats()
-    block = {"enabled": True, "ranks_per_node": 2, **fcdp} if fcdp is not None else None
+    block = {"enabled": True, "ranks_per_node": 2, "link": "slow", **fcdp} if fcdp is not None else None
     # prefetch on, parameters released after use (the regime where backward re-gathers)
     cfg = toy.ds_config(block, regime="default", grad_accum=2, stage3_max_reuse_distance=0,
                         stage3_prefetch_bucket_size=2 * hidden * hidden, **zero_extra)

@@ -37,6 +37,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from fcdp_deepspeed import paths
 from fcdp_deepspeed.tools import args as checks
 from fcdp_deepspeed.tools.args import plural
 from fcdp_deepspeed.tools.plan.compression import SETTINGS, compressed_step
@@ -81,6 +82,13 @@ class ClusterSpec:
     """``fcdp.param_gather`` of the FCDP engines: ``flat``, ``hierarchical`` or ``auto``."""
     compression_block: int = 128
     """``fcdp.compression_block`` of the compressed rows."""
+    latency_us: float = 50.0
+    """One step of a ring collective, its fixed time in microseconds (NCCL ~ tens; gloo on the emulated cluster ~ 600)."""
+    fetch_bytes: Optional[float] = None
+    """The model's mean per-module parameter bytes, one fetch (default: the model over 200 modules, a transformer of
+    ~30 layers of ~7 parameter-owning modules)."""
+    link: str = "probe"
+    """``fcdp.link``: ``probe`` predicts what the engine's probe will choose on this cluster; ``slow``/``fast``."""
     diloco: Optional[dict] = None
     """The config's ``fcdp.diloco`` block (``tools/plan/diloco.py``): adds the DiLoCo rows."""
 
@@ -105,7 +113,9 @@ class ClusterSpec:
             ("backend", self.backend in ("nccl", "gloo"), "must be nccl or gloo"),
             ("param_gather", self.param_gather in ("flat", "hierarchical", "auto"), "must be flat, hierarchical or auto"),
             ("compression_block", self.compression_block >= 8 and self.compression_block % 2 == 0,
-             "must be an even number >= 8")) if not ok]
+             "must be an even number >= 8"), ("latency_us", self.latency_us >= 0, "must be >= 0"),
+            ("fetch_bytes", self.fetch_bytes is None or self.fetch_bytes > 0, "must be > 0"),
+            ("link", self.link in ("probe", "slow", "fast"), "must be probe, slow or fast")) if not ok]
         if problems:
             raise ValueError("invalid cluster spec: " + "; ".join(problems))
 
@@ -117,6 +127,24 @@ class ClusterSpec:
     @property
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def one_fetch_bytes(self) -> float:
+        return self.fetch_bytes if self.fetch_bytes is not None else self.params * self.dtype_bytes / 200
+
+
+def choose_paths(spec: ClusterSpec) -> dict:
+    """The paths the engine will run on this cluster (``fcdp.link``, the rule of ``fcdp_deepspeed/paths.py`` on the
+    times :func:`~fcdp_deepspeed.paths.modeled_times` gives), and its step against ZeRO-3's: ``1.0`` on ZeRO-3's
+    paths, else the ratio of the step-time bounds of ``fcdp_node`` (the defaults) and ``zero3``."""
+    if spec.nodes == 1 or spec.ranks_per_node == 1:
+        return {"paths": "fcdp", "why": "one node or one rank per node: no two-stage path to weigh"}
+    if spec.link != "probe":
+        choice = paths.declared(spec.link)
+    else:
+        choice = paths.choose(paths.modeled_times(int(spec.one_fetch_bytes), spec.nodes, spec.ranks_per_node,
+                                                  spec.inter_gbps * GBIT, spec.intra_gbps * GBIT, spec.latency_us * 1e-6))
+    return {"paths": choice.paths.value, "why": choice.why}
 
 
 def _ring_allgather(spec: ClusterSpec, nbytes: float) -> float:
@@ -219,11 +247,17 @@ def plan(spec: ClusterSpec) -> dict:
             "device_fits": device_extra <= headroom,
         }
     out["compressed"] = compressed_rows(spec, out["engines"]["fcdp_node"], cached_fraction)
+    out["paths"] = choose_paths(spec)
+    zero3_s = out["engines"]["zero3"]["step_time_lower_bound_s"]
+    out["paths"]["fcdp_vs_zero3_step"] = (1.0 if out["paths"]["paths"] == "zero3" or not zero3_s else
+                                          out["engines"]["fcdp_node"]["step_time_lower_bound_s"] / zero3_s)
     block: dict = {"enabled": True, "cache_device": "host"}
     if slice_per_rank <= 0.5 * headroom:
         block["cache_device"] = "auto"  # spare accelerator memory can hold the slices after step 1
     block["host_budget"] = f"{math.ceil(min(host_per_node * 1.05, host_budget) / GIB)}GiB"
-    if spec.nodes > 1 and L > 1:
+    if out["paths"]["paths"] == "zero3":
+        block = {"enabled": True}  # a path key would skip the probe, which keeps ZeRO-3's paths here
+    elif spec.nodes > 1 and L > 1:
         # the gradient's inter-node bytes drop to (N-1)/N per node; with accumulation, once per step
         block["grad_reduce"] = "hierarchical"
         if ga > 1 and host_per_node * cached_fraction + grad_buffer_per_node <= host_budget:
@@ -320,6 +354,12 @@ def format_plan(result: dict, assumptions: Optional[list[str]] = None) -> str:
                          f"{r['inter_node_bytes_per_step'] / base:>10.4f} {r['step_time_lower_bound_s']:>12.3f} "
                          f"{_gib(r['reference_bytes_per_rank']):>11} {_gib(r['residual_bytes_per_rank']):>10}")
     lines += format_diloco(result.get("diloco"), result["engines"]["bound"]["inter_node_bytes_per_step"])
+    chosen = result.get("paths")
+    if chosen:
+        whose = "FCDP's" if chosen["paths"] == "fcdp" else "ZeRO-3's"
+        ratio = chosen.get("fcdp_vs_zero3_step")
+        lines += ["", f"paths (fcdp.link): {whose}: {chosen['why']}"
+                  + (f"; predicted step {ratio:.2f}x ZeRO-3's" if ratio is not None else "")]
     if result["cached_fraction"] < 1.0:
         lines.append(f"\nhost RAM holds {result['cached_fraction']:.0%} of the cache; the rest runs as plain ZeRO-3.")
     if assumptions:
@@ -346,6 +386,8 @@ _OPTIONS = (
     ("--dtype-bytes", checks.whole(1), 2, "bytes per parameter (default: the config's bf16/fp16 -> 2, fp32 -> 4, else 2)"),
     ("--compute-s", checks.non_negative(), 0.0, "compute seconds per micro-step, for the step-time bound"),
     ("--compression-block", checks.whole(8), 128, "fcdp.compression_block of the compressed rows (even)"),
+    ("--latency-us", checks.non_negative(), 50.0, "one ring step's fixed time, microseconds (gloo on the emulator ~600)"),
+    ("--fetch-mib", checks.positive(), None, "the model's mean per-module parameter MiB (default: the model / 200)"),
 )
 _LEGACY_GB = {"--host-ram-gb": "host_ram_gib", "--device-mem-gb": "device_mem_gib", "--device-used-gb": "device_used_gib"}
 
@@ -377,6 +419,11 @@ def _from_config(cfg: dict) -> dict:
     block = cfg.get("fcdp") if isinstance(cfg.get("fcdp"), dict) else {}
     if block.get("param_gather") in ("flat", "hierarchical", "auto"):
         out["param_gather"] = block["param_gather"]
+    if block.get("link") in ("probe", "slow", "fast"):
+        out["link"] = block["link"]
+    if any(block.get(k, "auto") != "auto" for k in ("param_gather", "grad_reduce", "grad_accumulation")) or any(
+            block.get(k, "off") != "off" for k in ("param_compression", "grad_compression")):
+        out["link"] = "slow"  # a path key chooses FCDP's paths (FCDPConfig.paths_asked)
     if isinstance(block.get("compression_block"), int):
         out["compression_block"] = block["compression_block"]
     if isinstance(block.get("diloco"), dict) and block["diloco"].get("enabled", True):
@@ -398,7 +445,9 @@ def assumptions(spec: ClusterSpec, given: set[str], from_config: set[str]) -> li
         f"{mark('backend', spec.backend)} ring collectives; {mark('param_gather', f'param_gather {spec.param_gather}')}",
         f"links: {mark('inter_gbps', f'{spec.inter_gbps:g} Gbit/s per node uplink')}, "
         f"{mark('intra_gbps', f'{spec.intra_gbps:g} Gbit/s per accelerator inside a node')}, "
-        f"{mark('pcie_gbps', f'{spec.pcie_gbps:g} Gbit/s host <-> accelerator')}",
+        f"{mark('pcie_gbps', f'{spec.pcie_gbps:g} Gbit/s host <-> accelerator')}, "
+        f"{mark('latency_us', f'{spec.latency_us:g} us per ring step')}, "
+        f"{mark('fetch_bytes', f'{spec.one_fetch_bytes / 2**20:.1f} MiB per fetch')}",
         f"memory: {mark('host_ram_bytes', f'{spec.host_ram_bytes / GIB:g} GiB host RAM per node')} (the cache may use "
         f"{HOST_CACHE_FRACTION:.0%}), {mark('device_mem_bytes', f'{spec.device_mem_bytes / GIB:g} GiB per accelerator')}, "
         + (mark('device_used_bytes', f"{used / GIB:g} GiB of it used at a step's peak") if used is not None
@@ -439,6 +488,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as err:
             ap.error(f"argument --config: {err}")
     fields = {"host_ram_gib": "host_ram_bytes", "device_mem_gib": "device_mem_bytes", "device_used_gib": "device_used_bytes"}
+    if "fetch_mib" in values:
+        values["fetch_bytes"] = values.pop("fetch_mib") * 2**20
     given = {fields.get(k, k) for k in values}
     spec_kwargs = {**config_values, **{fields.get(k, k): v * GIB if k in fields else v for k, v in values.items()}}
     try:
