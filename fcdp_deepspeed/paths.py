@@ -74,6 +74,8 @@ class PathChoice:
 
     def stats(self) -> dict:
         out: dict = {"paths": self.paths.value, "paths_why": self.why}
+        if self.paths is Paths.ZERO3:  # DeepSpeed's own engine: its gather and gradient path
+            out.update(param_gather="flat", grad_reduce="flat", grad_accumulation="rank")
         if self.times is not None:
             out.update(link_fetch_bytes=self.times.nbytes, link_flat_s=self.times.flat_s,
                        link_two_stage_s=self.times.two_stage_s, link_node_s=self.times.node_s,

@@ -12,8 +12,9 @@ GBIT, MBIT = 1e9 / 8, 1e6 / 8
 
 
 def test_the_rule_picks_fcdp_on_a_slow_link_and_zero3_on_a_fast_one():
-    slow = paths.modeled_times(1 << 20, 2, 2, 100 * MBIT, 5e9, 1e-4)
-    fast = paths.modeled_times(1 << 20, 2, 2, 20 * GBIT, 5e9, 1e-4)
+    # the emulated cluster: gloo on loopback moves about 4 Gbit/s per rank inside a node
+    slow = paths.modeled_times(1 << 20, 2, 2, 100 * MBIT, 4 * GBIT, 6e-4)
+    fast = paths.modeled_times(1 << 20, 2, 2, 20 * GBIT, 4 * GBIT, 6e-4)
     assert paths.choose(slow).paths is paths.Paths.FCDP
     assert paths.choose(fast).paths is paths.Paths.ZERO3
     assert "fcdp.link" in paths.choose(fast).why  # the way back to FCDP's paths is named
@@ -33,8 +34,6 @@ def test_a_key_that_names_a_path_skips_the_probe():
                        ("param_compression", "int8")):
         assert FCDPConfig(enabled=True, **{key: value}).paths_asked(), key
     assert not FCDPConfig(enabled=True).paths_asked()
-    resolved = FCDPConfig(enabled=True).on_zero3_paths()
-    assert (resolved.param_gather, resolved.grad_reduce, resolved.grad_accumulation) == ("flat", "flat", "rank")
 
 
 def test_a_bad_link_value_is_refused_by_key():
@@ -54,10 +53,10 @@ def test_every_rank_chooses_the_same_paths_from_the_largest_times(ranks):
     """[Note: one choice per job]: rank 3 alone sees a fast link; every rank still chooses FCDP's paths, from the
     same times. Its broken variant (each rank decides from its own times) splits the job."""
     env = {"FCDP_LAB_LINK": "slow,fast@3"}
-    agreed = ranks("link:choice_only", env=env)
+    agreed = ranks("link:choice_only", env=env, nbytes=1 << 20)
     assert {r["paths"] for r in agreed} == {"fcdp"}, agreed
     assert len({(r["link_flat_s"], r["link_two_stage_s"], r["link_node_s"]) for r in agreed}) == 1
-    broken = ranks("link:choice_only", env={**env, "FCDP_LAB_BREAK": "link.no_agreement"})
+    broken = ranks("link:choice_only", env={**env, "FCDP_LAB_BREAK": "link.no_agreement"}, nbytes=1 << 20)
     assert {r["paths"] for r in broken} == {"fcdp", "zero3"}, broken
 
 
@@ -75,7 +74,7 @@ def test_the_probe_on_real_groups(ranks):
 @pytest.fixture(scope="module")
 def on_fast_link():
     from conftest import run_ranks
-    return run_ranks("link:train_defaults", env={"FCDP_LAB_LINK": "fast"})
+    return run_ranks("link:train_defaults", link="fast")
 
 
 def test_zero3_paths_are_zero3_bit_for_bit(on_fast_link):
@@ -84,11 +83,11 @@ def test_zero3_paths_are_zero3_bit_for_bit(on_fast_link):
     for name, w in r0["plain"]["weights"].items():
         assert torch.equal(w, r0["fcdp"]["weights"][name]), name
     stats = r0["fcdp"]["stats"]
-    assert stats["paths"] == "zero3" and stats["param_gather"] == "flat"
-    assert stats["cache_hits"] == 0 and stats["inter_node_allgather_calls"] > 0
+    assert stats["paths"] == "zero3" and stats["param_gather"] == "flat" and stats["grad_reduce"] == "flat"
+    assert stats["cache_hits"] == 0 and stats["inter_node_allgather_calls"] > 0 and stats["fcdp_enabled"]
 
 
 def test_the_on_line_says_zero3_paths_and_why(on_fast_link):
     line = on_fast_link[0]["fcdp"]["log"]
-    assert len(line) == 1 and "ZeRO-3's paths, nothing cached" in line[0] and "fcdp.link" in line[0], line
-    assert "DeepSpeed's gradient path" in line[0]
+    assert len(line) == 1 and "ZeRO-3's paths: DeepSpeed's own ZeRO-3, nothing cached" in line[0], line
+    assert "fcdp.link is \"fast\"" in line[0], line

@@ -310,10 +310,6 @@ class FCDPConfig(DiLoCoField):
         return (self.param_gather != "auto" or self.grad_reduce != "auto" or self.grad_accumulation != "auto"
                 or self.param_compression != "off" or self.grad_compression != "off")
 
-    def on_zero3_paths(self) -> "FCDPConfig":
-        """This block with every path key resolved to ZeRO-3's (flat gather, flat reduce, per-rank accumulation)."""
-        return self.model_copy(update={"param_gather": "flat", "grad_reduce": "flat", "grad_accumulation": "rank"})
-
     def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
         """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,
         where both stages would be one) resolve to ``flat``."""

@@ -32,9 +32,6 @@ def _cache_words(runtime: Any) -> str:
     cached = [e for e in entries if e.state is not EntryState.DISABLED]
     if topo.num_nodes == 1:
         return "no cache (one node: nothing to save across nodes)"
-    choice = getattr(runtime, "paths", None)
-    if choice is not None and choice.paths.value == "zero3":
-        return f"ZeRO-3's paths, nothing cached ({choice.why})"
     where = {p.value: sum(e.nbytes for e in cached if e.placement is p) for p in Placement}
     slots = " + ".join(f"{fmt_bytes(n)} {name}" for name, n in where.items() if n) or "0 B"
     host_node = allocation.host_budget * topo.ranks_per_node
@@ -77,6 +74,20 @@ def engine_line(runtime: Any, grad_plan: Optional[Any]) -> str:
             f"{compression_words(config)}. Statistics: fcdp_deepspeed.get_stats(engine), and an [fcdp] line every "
             f"{runtime.log_interval or 'no'} steps at INFO "
             f"(deepspeed.utils.logging.set_log_level_from_string(\"info\")).")
+
+
+def zero3_paths_line(topology: Any, choice: Any) -> str:
+    """The line for an engine on ZeRO-3's paths (``fcdp.link``): DeepSpeed's own engine, counted."""
+    return (f"fcdp: ON for this engine: {plural(topology.num_nodes, 'node')} x "
+            f"{plural(topology.ranks_per_node, 'rank')} per node (from {topology.source}); ZeRO-3's paths: "
+            f"DeepSpeed's own ZeRO-3, nothing cached, its gather and gradient path ({choice.why}). Statistics: "
+            f"fcdp_deepspeed.get_stats(engine).")
+
+
+def announce_zero3_paths(topology: Any, choice: Any) -> None:
+    """Log :func:`zero3_paths_line` once, on rank 0, at WARNING."""
+    if dist.get_rank() == 0:
+        logger.warning(zero3_paths_line(topology, choice))
 
 
 def announce(runtime: Any, grad_plan: Optional[Any]) -> None:

@@ -55,6 +55,8 @@ from fcdp_deepspeed.engine import announce
 from fcdp_deepspeed.engine.counting import count_plain_engine
 from fcdp_deepspeed.engine.diloco_steps import DiLoCoSteps
 from fcdp_deepspeed.engine.grad_steps import AVG_SCATTER as _AVG_SCATTER, GradSteps
+from fcdp_deepspeed.machine import link
+from fcdp_deepspeed.paths import PathChoice, Paths
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import GRAD_FAMILY, LEDGER, CommCounters
 from fcdp_deepspeed.runtime import FCDPRuntime
@@ -106,6 +108,22 @@ def _place_gradient_memory(reducer: "grads.GradReducer | None", promotion) -> No
             reap_residuals(compressor.store)
     promotion.claims.append(claim)
     promotion.reapers.append(reap)
+
+
+def _zero3_paths(engine, config, dp_group, module, ds_config: dict) -> PathChoice:
+    """Choose the paths (``fcdp.link``, collective); on ZeRO-3's, make ``engine`` the plain counted engine it is then.
+
+    [Note: ZeRO-3's paths are ZeRO-3's engine] Where the probe keeps ZeRO-3's paths, FCDP would only add host work
+    (fetch wrappers, the cache's bookkeeping with nothing to keep): the engine stays DeepSpeed's optimizer counted
+    as a plain one (``CountedStage3._attach``), bit for bit, with the choice in ``get_stats`` and the "on" line."""
+    choice, topo = link.choose_for(config, dp_group, module)
+    engine.fcdp_paths = choice
+    if choice.paths is Paths.ZERO3:
+        count_plain_engine(module, engine.fcdp_comm, config.ranks_per_node)
+        comm = engine.fcdp_comm  # the layout the probe found, not the launcher's guess
+        comm.node_of_rank, comm.layout_source, comm.follows_process = tuple(topo.node_of_rank), topo.source, False
+        announce.announce_zero3_paths(topo, choice)
+    return choice
 
 
 class CountedStage3(DeepSpeedZeroOptimizer_Stage3):
@@ -272,11 +290,14 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
             if self.fcdp_diloco_topology is not None:
                 self._attach_diloco(fcdp_config)
             return
+        choice = _zero3_paths(self, fcdp_config, self.dp_process_group, module, ds_config)
+        if choice.paths is Paths.ZERO3:
+            return
         params = [p for group in self.fp16_groups for p in group]
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, self.dp_process_group, params, clock=self.fcdp_clock,
-                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm).activate()
+                                param_names=ds_compat.param_names(self, module), comm=self.fcdp_comm,
+                                paths=choice).activate()
         # [Note: the gradient plan needs the topology: explicit modes are refused only where they would run]
-        fcdp_config = self.fcdp.config  # the paths resolved ([Note: why a choice at all] in paths.py)
         self.fcdp_grad_plan, self.fcdp_grads = grads.build_reducer(
             fcdp_config, self.fcdp.topology, self.dp_process_group, [p for p in params if p.requires_grad],
             self.gradient_accumulation_dtype, ds_compat.boundary_reader(self),
@@ -433,8 +454,11 @@ class FCDPZeROOffload(CountedZeROOffload):
             return super()._attach(module, ds_config)
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
+        choice = _zero3_paths(self, fcdp_config, group, module, ds_config)
+        if choice.paths is Paths.ZERO3:
+            return
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm,
-                                clock=self.fcdp_clock, trains=False).activate()
+                                clock=self.fcdp_clock, trains=False, paths=choice).activate()
         announce.announce(self.fcdp, None)
 
     # DeepSpeedEngine calls these around load_checkpoint when the "optimizer" has them.

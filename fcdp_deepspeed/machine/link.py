@@ -19,7 +19,7 @@ from deepspeed import comm as dist
 from fcdp_deepspeed import paths
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.machine import comm_warmup, device
-from fcdp_deepspeed.machine.topology import Topology
+from fcdp_deepspeed.machine.topology import Topology, build_topology
 
 #: Timed rounds after one untimed; the fastest of each kind counts ([Note: a probe that holds still]).
 REPEATS = 5
@@ -33,6 +33,17 @@ def fetch_bytes(module: torch.nn.Module) -> int:
         if own:
             sizes.append(sum(p.ds_numel * p.ds_tensor.element_size() for p in own))
     return int(sum(sizes) / len(sizes)) if sizes else 0
+
+
+def choose_for(config: FCDPConfig, dp_group: Any, module: torch.nn.Module) -> tuple[paths.PathChoice, Topology]:
+    """Collective over the world (the layout) and over ``dp_group`` (the probe): the paths one engine over ``module``
+    runs, and its layout."""
+    topo = build_topology(dp_group, config.ranks_per_node)
+    if topo.num_nodes == 1:
+        return paths.PathChoice(paths.Paths.FCDP, "one node"), topo
+    if not topo.peer_ranks:
+        return paths.PathChoice(paths.Paths.FCDP, "one rank per node (no two-stage path to weigh)"), topo
+    return choose_paths(config, topo, dp_group, fetch_bytes(module)), topo
 
 
 def choose_paths(config: FCDPConfig, topo: Topology, dp_group: Any, nbytes: int) -> paths.PathChoice:

@@ -27,6 +27,9 @@ def stats_of(optimizer: Any) -> dict:
             "fcdp_enabled": False,
             **since.snapshot(),
         }
+    paths = getattr(optimizer, "fcdp_paths", None)
+    if paths is not None:  # fcdp.link's choice; on ZeRO-3's paths the engine is the counted plain one
+        out.update(paths.stats(), fcdp_enabled=True)
     plan = getattr(optimizer, "fcdp_grad_plan", None)
     if plan is not None:  # the resolved gradient modes (auto resolved), with or without a reducer
         out.update(plan.stats())

@@ -37,7 +37,6 @@ from deepspeed.utils import logger
 
 from fcdp_deepspeed.config import FCDPConfig
 from fcdp_deepspeed.machine import comm_warmup, device
-from fcdp_deepspeed.machine.link import fetch_bytes
 from fcdp_deepspeed.paths import PathChoice, Paths
 from fcdp_deepspeed.machine.topology import Topology
 from fcdp_deepspeed.reporting.monitor import latest_monitor
@@ -66,8 +65,11 @@ class FCDPRuntime:
 
     def __init__(self, config: FCDPConfig, ds_config: Mapping[str, Any], module: torch.nn.Module, dp_group: Any,
                  optimizer_params: Iterable[torch.nn.Parameter], param_names: Optional[Mapping] = None,
-                 comm: Optional[CommCounters] = None, clock: Optional[PhaseClock] = None, trains: bool = True) -> None:
+                 comm: Optional[CommCounters] = None, clock: Optional[PhaseClock] = None, trains: bool = True,
+                 paths: Optional[PathChoice] = None) -> None:
         self.config = config
+        #: Why FCDP's paths run (``fcdp.link``; an engine on ZeRO-3's paths has no runtime: ``engine/stage3.py``).
+        self.paths = paths if paths is not None else PathChoice(Paths.FCDP, "fcdp.link not consulted")
         self.ds_config = ds_config
         self.module = module
         self.dp_group = dp_group
@@ -103,10 +105,6 @@ class FCDPRuntime:
         return self.attachment.topology if self.attachment is not None else None
 
     @property
-    def paths(self) -> Optional[PathChoice]:
-        return self.attachment.paths if self.attachment is not None else None
-
-    @property
     def cache(self) -> Optional[NodeCache]:
         return self.attachment.cache if self.attachment is not None else None
 
@@ -115,10 +113,7 @@ class FCDPRuntime:
         fails after attaching leaves nothing behind on the model's partition hooks (a retry, a second engine, finds
         the model as it was: [Note: two engines over one model] in ``attach.py``)."""
         params = [p for p in self.module.parameters() if hasattr(p, "ds_id")]
-        self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters,
-                                 fetch_nbytes=fetch_bytes(self.module))
-        if self.attachment.paths.paths is Paths.ZERO3:
-            self.config = self.config.on_zero3_paths()  # every part below, the gradient path's too, reads this
+        self.attachment = attach(self.config, params, self.dp_group, self.param_names, self.counters)
         try:
             return self._build(params)
         except BaseException:
@@ -224,7 +219,7 @@ class FCDPRuntime:
         self.report.on_step_end()
 
     def stats(self) -> dict:
-        out = {**self.report.stats(), "param_gather": self.param_gather, **self.paths.stats()}
+        out = {**self.report.stats(), "param_gather": self.param_gather}
         if self.runahead is not None:  # every copy found stale at use, whichever kind ([Note: freshness by construction])
             out["stale_refetched"] += self.runahead.counters.stale
         return out

@@ -209,8 +209,8 @@ def warn_if_nothing_cached(attachment: Any, allocation: Allocation) -> None:
     still run), and a user who enabled the block would otherwise only see it in ``get_stats``' ``uncached_reasons``."""
     if any(e.state is not EntryState.DISABLED for e in allocation.cache.entries.values()):
         return
-    if allocation.topology.num_nodes == 1 or attachment.paths.paths.value == "zero3":
-        return  # attach said so, once; the on line says ZeRO-3's paths run
+    if allocation.topology.num_nodes == 1:
+        return  # attach said so, once
     reasons = [f"{count} {reason}: {_FIXES.get(reason, 'see uncached_reasons in get_stats')}"
                for reason, count in sorted(attachment.uncached.items())]
     if allocation.over_budget:

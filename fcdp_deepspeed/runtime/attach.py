@@ -28,9 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.utils import logger
 
-from fcdp_deepspeed import paths
 from fcdp_deepspeed.config import FCDPConfig, FCDPConfigError
-from fcdp_deepspeed.machine.link import choose_paths
 from fcdp_deepspeed.machine.topology import Topology, TopologyError, build_topology, group_ranks
 from fcdp_deepspeed.reporting.stats import LEDGER, CacheCounters, LayoutKind
 from fcdp_deepspeed.runtime.fetch import unwrapped
@@ -48,8 +46,6 @@ ONE_NODE = "one node (nothing to save across nodes)"
 #: memory). Every engine's writes stamp the parameter ([Note: freshness by construction] in ``storage/freshness.py``),
 #: so the first engine's slot is checked against the other engine's optimizer steps and loads at every read.
 SHARED = "cached by an earlier FCDP engine over the same model (its cache serves this engine too)"
-#: ``Attachment.uncached`` reason of every parameter when the engine runs ZeRO-3's paths (``fcdp.link``).
-ZERO3_PATHS = "ZeRO-3's paths (fcdp.link: the inter-node link is not the bottleneck)"
 
 
 @dataclass(eq=False)
@@ -63,8 +59,6 @@ class Attachment:
     uncached: dict[str, int] = field(default_factory=dict)
     #: The partition hooks of the ``zero.Init`` instances that partitioned the parameters.
     hooks: list = field(default_factory=list)
-    #: Whose paths the engine runs, and why (``paths.py``, ``machine/link.py``).
-    paths: paths.PathChoice = paths.PathChoice(paths.Paths.FCDP, "one node")
 
 
 def init_owner(param: torch.nn.Parameter) -> Init:
@@ -107,10 +101,9 @@ class _SecondaryHook:
 
 
 def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, param_names: Mapping,
-           counters: CacheCounters, fetch_nbytes: int = 0) -> Attachment:
-    """Collective over ``dp_group``: build the node layout, choose the paths (``fcdp.link``, a probe of one fetch of
-    ``fetch_nbytes``), one cache entry per cacheable parameter on FCDP's paths, and retrofit the ``zero.Init``
-    instances that partitioned them (slots are allocated later)."""
+           counters: CacheCounters) -> Attachment:
+    """Collective over ``dp_group``: build the node layout, one cache entry per cacheable parameter,
+    and retrofit the ``zero.Init`` instances that partitioned them (slots are allocated later)."""
     topo = build_topology(dp_group, config.ranks_per_node)
     LEDGER.install(topo.node_of_rank, topo.source,
                    kind=LayoutKind.ENGINE_SETTING if config.ranks_per_node is not None else LayoutKind.DISCOVERED)
@@ -126,13 +119,6 @@ def attach(config: FCDPConfig, params: list[torch.nn.Parameter], dp_group: Any, 
                            f"traffic to save, so FCDP takes no memory (no cache slots, no gradient buffer) and the "
                            f"job runs as plain ZeRO-3 with FCDP's counters reporting. Set fcdp.ranks_per_node to "
                            f"simulate several nodes.")
-        return attached
-    if topo.peer_ranks:  # several nodes of several ranks: the two paths differ
-        attached.paths = choose_paths(config, topo, dp_group, fetch_nbytes)
-    else:
-        attached.paths = paths.PathChoice(paths.Paths.FCDP, "one rank per node (no two-stage path to weigh)")
-    if attached.paths.paths is paths.Paths.ZERO3:
-        attached.uncached[ZERO3_PATHS] = len(params)
         return attached
     hooks = {}
     for param in _select_candidates(params, topo, config.min_numel, attached.uncached):
