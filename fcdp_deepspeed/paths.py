@@ -13,7 +13,9 @@ each gradient bucket is reduced in two stages. Where the inter-node link is the 
 there are no bytes worth saving, and the extra collectives and bookkeeping are all that is left (a 20 Gbit/s
 emulated link: 1.42x ZeRO-3's step in DeepSpeed's default settings, ``docs/benchmarks.md``). So with every path
 key left ``auto``, the engine times one fetch of the model's mean module size each way on its real groups and
-runs the paths whose step costs less, agreeing on every rank.
+runs the paths whose step costs less, agreeing on every rank. Two conditions, both measured: FCDP's collectives per
+fetch must win by :data:`MARGIN` (its host work is not in them), and a fetch across nodes must take :data:`SLOWER` times
+one inside a node (the probe's noise cannot flip a fast link's choice).
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 #: 100 Mbit/s; on a link that is all bandwidth the factor is 3(W-1)/W against 2(N-1)/N, which stays above 1.5 for
 #: any number of nodes.
 MARGIN = 1.4
+#: And a fetch across nodes must take this many times a fetch inside one: the rule's ratio alone moves with the
+#: probe's noise where the two are close (on the emulated 2 x 2 at 20 Gbit/s it read 0.6-1.5 between runs of one
+#: job), while a link worth FCDP's paths is slower by far (100 Mbit/s: 25-35x; a fast one: 1.4-2.8x).
+SLOWER = 4.0
 #: Largest message the probe sends (the times at a larger fetch are extrapolated from two sizes): bounds the
 #: probe at about 2 s on a 10 Mbit/s link.
 PROBE_MAX_BYTES = 1 << 20
@@ -84,9 +90,10 @@ class PathChoice:
 
 
 def choose(times: FetchTimes) -> PathChoice:
-    """FCDP's paths where their collectives per fetch cost less than ZeRO-3's by :data:`MARGIN`, else ZeRO-3's."""
+    """FCDP's paths where their collectives per fetch cost less than ZeRO-3's by :data:`MARGIN` and a fetch across
+    nodes takes :data:`SLOWER` times one inside a node, else ZeRO-3's."""
     zero3, fcdp = times.zero3_s, times.fcdp_s
-    if fcdp * MARGIN < zero3:
+    if fcdp * MARGIN < zero3 and times.flat_s >= SLOWER * times.node_s:
         return PathChoice(Paths.FCDP, f"the inter-node link is the bottleneck: {times.describe()}, so a step's "
                                       f"collectives take {_ms(fcdp)} per fetch on FCDP's paths against {_ms(zero3)}",
                           times)

@@ -21,6 +21,9 @@ def test_the_rule_picks_fcdp_on_a_slow_link_and_zero3_on_a_fast_one():
     # the margin: FCDP's collectives must win by MARGIN, not merely win
     edge = paths.FetchTimes(1, flat_s=1.0, two_stage_s=1.0, node_s=3 - 2 - 0.01)
     assert edge.fcdp_s < edge.zero3_s and paths.choose(edge).paths is paths.Paths.ZERO3
+    # and a fetch across nodes must be SLOWER times one inside a node: a noisy two-stage time cannot flip a fast link
+    noisy = paths.FetchTimes(1, flat_s=2.5, two_stage_s=1.0, node_s=1.0)
+    assert noisy.zero3_s > paths.MARGIN * noisy.fcdp_s and paths.choose(noisy).paths is paths.Paths.ZERO3
 
 
 def test_fit_extrapolates_latency_plus_rate_and_never_goes_negative():

@@ -60,6 +60,8 @@ def _case(name: str, fn: Callable[[], CaseResult]) -> CaseResult:
         text = str(exc)
         res = CaseResult(name, error=f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}\n{text[-3000:]}")
     res.numbers["seconds"] = round(time.perf_counter() - t0, 2)
+    # as each case ends: a run cut short by its budget still says what finished and what it cost
+    print(f"gpu_check: {name} {'passed' if res.passed else 'FAILED'} in {res.numbers['seconds']} s", flush=True)
     return res
 
 
