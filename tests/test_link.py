@@ -63,6 +63,18 @@ def test_every_rank_chooses_the_same_paths_from_the_largest_times(ranks):
     assert {r["paths"] for r in broken} == {"fcdp", "zero3"}, broken
 
 
+def test_the_job_votes_across_data_parallel_groups(ranks):
+    """Two data-parallel groups, one on a fast link and one on a slow one: the job runs FCDP's paths everywhere (a
+    group on ZeRO-3's would skip FCDP's world collectives and hang the job). Without the vote each keeps its own."""
+    env = {"FCDP_LAB_LINK": "fast,slow@4,slow@5,slow@6,slow@7"}
+    voted = ranks("link:job_vote", world_size=8, env=env)
+    assert [r["local"] for r in voted] == ["zero3"] * 4 + ["fcdp"] * 4, voted
+    assert {r["paths"] for r in voted} == {"fcdp"}
+    assert "another data-parallel group" in voted[0]["paths_why"]
+    split = ranks("link:job_vote", world_size=8, env={**env, "FCDP_LAB_BREAK": "link.no_vote"})
+    assert [r["paths"] for r in split] == ["zero3"] * 4 + ["fcdp"] * 4, split
+
+
 def test_the_probe_on_real_groups(ranks):
     """No declaration: the probe times the loopback's groups; the choice is the rule's on the agreed times."""
     results = ranks("link:choice_only", env={"FCDP_LAB_LINK": ""}, nbytes=1 << 20)

@@ -1,16 +1,15 @@
 """The link probe: which paths an engine runs (``fcdp.link``), decided once at build, the same on every rank.
 
 The rule is :func:`fcdp_deepspeed.paths.choose` ([Note: why a choice at all] there); this module supplies its
-input, one fetch timed each way on the engine's own groups, and agrees on it. [Note: one choice per job] The times
-differ between ranks (each rank's clock, its share of the link), and a rank that chose other paths than its peers
-would issue other collectives and hang the job: every rank takes the largest time of each kind over the
-data-parallel group (one all-reduce), so every rank decides from the same numbers.
+input, one fetch timed each way on the engine's own groups, and agrees on it ([Note: one choice per job] at
+:func:`choose_for`): the times differ between ranks (each rank's clock, its share of the link), so every rank takes
+the largest time of each kind over the data-parallel group (one all-reduce) and decides from the same numbers.
 """
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,22 +35,60 @@ def fetch_bytes(module: torch.nn.Module) -> int:
 
 
 def choose_for(config: FCDPConfig, dp_group: Any, module: torch.nn.Module) -> tuple[paths.PathChoice, Topology]:
-    """Collective over the world (the layout) and over ``dp_group`` (the probe): the paths one engine over ``module``
-    runs, and its layout."""
+    """Collective over the world (the layout, the job's vote) and over ``dp_group`` (the probe): the paths one engine
+    over ``module`` runs, and its layout.
+
+    [Note: one choice per job] A rank that ran other paths than the rest would issue other collectives (FCDP's
+    engine adds collectives over the world: the layout, a barrier at each checkpoint) and hang the job. Inside one
+    data-parallel group every rank decides from the same agreed times (:func:`agree`); across the groups of a job
+    (tensor or pipeline parallelism: one group may lie on one node while another spans nodes) a world all-reduce
+    makes the job's choice: FCDP's paths wherever one group's probe asks for them, ZeRO-3's where every probe kept
+    them. The first probe of a layout decides for the process: a later engine (an evaluation engine, a reference
+    model over the same parameters) follows it, as it shares the first engine's gathers ([Note: two engines over one
+    model] in ``runtime/attach.py``)."""
     topo = build_topology(dp_group, config.ranks_per_node)
-    if topo.num_nodes == 1:
-        return paths.PathChoice(paths.Paths.FCDP, "one node"), topo
-    if not topo.peer_ranks:
-        return paths.PathChoice(paths.Paths.FCDP, "one rank per node (no two-stage path to weigh)"), topo
-    return choose_paths(config, topo, dp_group, fetch_bytes(module)), topo
+    spans = topo.num_nodes > 1 and bool(topo.peer_ranks)  # two paths to weigh
+    if config.paths_asked():
+        return paths.PathChoice(paths.Paths.FCDP, "the block sets a path key"), topo
+    if config.link != "probe":
+        return (paths.declared(config.link) if spans else _nothing_to_weigh(topo)), topo
+    key = (config.ranks_per_node, topo.dp_groups, tuple(topo.node_of_rank))
+    if key not in _CHOSEN:
+        local = choose_paths(config, topo, dp_group, fetch_bytes(module)) if spans else None
+        _CHOSEN[key] = vote(local, topo)
+    return _CHOSEN[key], topo
+
+
+#: The job's choice by layout, in this process ([Note: one choice per job]).
+_CHOSEN: dict[tuple, paths.PathChoice] = {}
+_VOTES = {None: 0, paths.Paths.ZERO3: 1, paths.Paths.FCDP: 2}
+
+
+def vote(local: Optional[paths.PathChoice], topo: Topology) -> paths.PathChoice:
+    """Collective over the world: this rank's group's choice (``None``: nothing to weigh) made the job's."""
+    votes = device.small_to_accel([_VOTES[local.paths if local is not None else None]], torch.int32)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    job = device.small_to_host(votes)[0]
+    if job == _VOTES[paths.Paths.FCDP]:
+        if local is not None and local.paths is paths.Paths.FCDP:
+            return local
+        if local is None:
+            return _nothing_to_weigh(topo)
+        return paths.PathChoice(paths.Paths.FCDP, f"another data-parallel group of the job needs FCDP's paths (this "
+                                                  f"group's probe: {local.why})", local.times)
+    if job == _VOTES[paths.Paths.ZERO3]:
+        return local if local is not None else paths.PathChoice(
+            paths.Paths.ZERO3, "every data-parallel group of the job that spans nodes keeps ZeRO-3's paths")
+    return _nothing_to_weigh(topo)
+
+
+def _nothing_to_weigh(topo: Topology) -> paths.PathChoice:
+    why = "one node" if topo.num_nodes == 1 else "one rank per node (no two-stage path to weigh)"
+    return paths.PathChoice(paths.Paths.FCDP, why)
 
 
 def choose_paths(config: FCDPConfig, topo: Topology, dp_group: Any, nbytes: int) -> paths.PathChoice:
-    """Collective over ``dp_group`` when it probes: the paths this engine runs."""
-    if config.paths_asked():
-        return paths.PathChoice(paths.Paths.FCDP, "the block sets a path key")
-    if config.link != "probe":
-        return paths.declared(config.link)
+    """Collective over ``dp_group``: the paths this group's probe chooses."""
     return paths.choose(agree(time_locally(topo, dp_group, max(nbytes, 4 * topo.dp_size)), dp_group))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fcdp_deepspeed.machine import comm_warmup
 from fcdp_deepspeed.reporting.stats import LEDGER
 
 
@@ -30,6 +31,8 @@ def stats_of(optimizer: Any) -> dict:
     paths = getattr(optimizer, "fcdp_paths", None)
     if paths is not None:  # fcdp.link's choice; on ZeRO-3's paths the engine is the counted plain one
         out.update(paths.stats(), fcdp_enabled=True)
+        if runtime is None:  # the probe created the node and node-peer communicators: what they took
+            out.update(comm_warmup_bytes=dict(comm_warmup.MEASURED))
     plan = getattr(optimizer, "fcdp_grad_plan", None)
     if plan is not None:  # the resolved gradient modes (auto resolved), with or without a reducer
         out.update(plan.stats())

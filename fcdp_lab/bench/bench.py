@@ -50,6 +50,8 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                "fcdp_node_flat": {"grad_accumulation": "node", "param_gather": "flat"},
                # the block's defaults as a user writes it: every path key auto, fcdp.link's probe chooses the paths
                "fcdp_defaults": {},
+               # ZeRO-3's paths declared (no probe, no node or node-peer communicator): fcdp_defaults' fast-link choice
+               "fcdp_fast": {"link": "fast"},
                # issue 31: the run-ahead of stage 1 (runtime/runahead.py) is opt-in; the committed
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
@@ -78,7 +80,7 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_defaults", "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
+ALL_ENGINES = (*ENGINES, "fcdp_defaults", "fcdp_fast", "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
                "fcdp_hier_rank", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit

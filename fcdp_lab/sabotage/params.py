@@ -13,6 +13,9 @@ does not wait for its stage 1: the queue on gloo, the stash's event on streams),
 leave pending groups), ``stale_reference`` (a pending compressed group survives a fetch that rewrote its references),
 ``delay=SECONDS`` (the push starts that late: with ``@RANK``, a late peer).
 
+``link.*`` (the paths' choice, ``machine/link.py``): ``no_agreement`` (each rank decides from its own probe),
+``no_vote`` (each data-parallel group keeps its own choice).
+
 ``gather.*`` (the deferred stage 2s, ``runtime/sequencer.py``): ``drain_own`` (a wait issues only its own stage 2, in
 each rank's wait order), ``stage2_early`` (stage 2 without waiting for stage 1), ``delay=SECONDS`` (every stage 1
 issued that late).
@@ -192,3 +195,10 @@ def _no_agreement(value: Optional[str]) -> None:
     """Each rank decides from its own times ([Note: one choice per job] in ``machine/link.py``)."""
     from fcdp_deepspeed.machine import link
     replace(link, "agree", lambda times, dp_group: times)
+
+
+@variant("link.no_vote")
+def _no_vote(value: Optional[str]) -> None:
+    """Each data-parallel group keeps its own choice, the job's vote skipped ([Note: one choice per job])."""
+    from fcdp_deepspeed.machine import link
+    replace(link, "vote", lambda local, topo: local if local is not None else link._nothing_to_weigh(topo))
