@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 #: FCDP's paths must win by this factor on the measured collectives: their host work (cache bookkeeping, the
 #: second stage's issue) is not in the probe's times. On the emulated 2 x 2 (``docs/benchmarks.md``) the probe's
-#: collectives favour FCDP's paths by 1.2x at 20 Gbit/s, where its step is slower than ZeRO-3's, and by 2.2x at
-#: 100 Mbit/s; on a link that is all bandwidth the factor is 3(W-1)/W against 2(N-1)/N, which stays above 1.5 for
+#: collectives favoured FCDP's paths by 0.6-1.5x at 20 Gbit/s, where its step is slower than ZeRO-3's, and by
+#: 1.65-2.3x at 100 Mbit/s; on a link that is all bandwidth the factor is 3(W-1)/W against 2(N-1)/N, which stays above 1.5 for
 #: any number of nodes.
 MARGIN = 1.4
 #: And a fetch across nodes must take this many times a fetch inside one: the rule's ratio alone moves with the

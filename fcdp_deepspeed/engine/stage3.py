@@ -110,7 +110,7 @@ def _place_gradient_memory(reducer: "grads.GradReducer | None", promotion) -> No
     promotion.reapers.append(reap)
 
 
-def _zero3_paths(engine, config, dp_group, module, ds_config: dict) -> PathChoice:
+def _zero3_paths(engine, config, dp_group, module) -> PathChoice:
     """Choose the paths (``fcdp.link``, collective); on ZeRO-3's, make ``engine`` the plain counted engine it is then.
 
     [Note: ZeRO-3's paths are ZeRO-3's engine] Where the probe keeps ZeRO-3's paths, FCDP would only add host work
@@ -290,7 +290,7 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
             if self.fcdp_diloco_topology is not None:
                 self._attach_diloco(fcdp_config)
             return
-        choice = _zero3_paths(self, fcdp_config, self.dp_process_group, module, ds_config)
+        choice = _zero3_paths(self, fcdp_config, self.dp_process_group, module)
         if choice.paths is Paths.ZERO3:
             return
         params = [p for group in self.fp16_groups for p in group]
@@ -454,7 +454,7 @@ class FCDPZeROOffload(CountedZeROOffload):
             return super()._attach(module, ds_config)
         first = next((p for p in module.parameters() if hasattr(p, "ds_process_group")), None)
         group = self.dp_process_group if self.dp_process_group is not None else getattr(first, "ds_process_group", None)
-        choice = _zero3_paths(self, fcdp_config, group, module, ds_config)
+        choice = _zero3_paths(self, fcdp_config, group, module)
         if choice.paths is Paths.ZERO3:
             return
         self.fcdp = FCDPRuntime(fcdp_config, ds_config, module, group, [], comm=self.fcdp_comm,
