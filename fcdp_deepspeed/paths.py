@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 #: FCDP's paths must win by this factor on the measured collectives: their host work (cache bookkeeping, the
 #: second stage's issue) is not in the probe's times. On the emulated 2 x 2 (``docs/benchmarks.md``) the probe's
@@ -35,6 +36,16 @@ SLOWER = 4.0
 #: Largest message the probe sends (the times at a larger fetch are extrapolated from two sizes): bounds the
 #: probe's six rounds at about 7 s on a 10 Mbit/s link, 0.7 s at 100 Mbit/s.
 PROBE_MAX_BYTES = 1 << 20
+
+
+#: The block's keys that choose FCDP's paths when set away from these defaults (``fcdp.link`` then decides nothing).
+PATH_KEYS = {"param_gather": "auto", "grad_reduce": "auto", "grad_accumulation": "auto", "param_compression": "off",
+             "grad_compression": "off"}
+
+
+def paths_asked(block: Mapping[str, Any]) -> bool:
+    """Whether ``block`` (an ``fcdp`` block, or its parsed fields) sets a key that chooses FCDP's paths."""
+    return any(block.get(key, default) != default for key, default in PATH_KEYS.items())
 
 
 class Paths(str, enum.Enum):

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union
 import hjson
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
+from fcdp_deepspeed import paths
 from fcdp_deepspeed.config import ds_compat
 from fcdp_deepspeed.config.diloco import DiLoCoConfig, DiLoCoField, ds_problems as diloco_problems
 from fcdp_deepspeed.config.errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
@@ -307,8 +308,7 @@ class FCDPConfig(DiLoCoField):
 
     def paths_asked(self) -> bool:
         """Whether a key says which paths to run (FCDP's): ``fcdp.link`` then decides nothing."""
-        return (self.param_gather != "auto" or self.grad_reduce != "auto" or self.grad_accumulation != "auto"
-                or self.param_compression != "off" or self.grad_compression != "off")
+        return paths.paths_asked({key: getattr(self, key) for key in paths.PATH_KEYS})
 
     def resolved_param_gather(self, num_nodes: int, ranks_per_node: int) -> str:
         """``param_gather`` for a layout: ``auto`` and degenerate layouts (one node, one rank per node,

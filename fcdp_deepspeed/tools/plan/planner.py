@@ -421,9 +421,8 @@ def _from_config(cfg: dict) -> dict:
         out["param_gather"] = block["param_gather"]
     if block.get("link") in ("probe", "slow", "fast"):
         out["link"] = block["link"]
-    if any(block.get(k, "auto") != "auto" for k in ("param_gather", "grad_reduce", "grad_accumulation")) or any(
-            block.get(k, "off") != "off" for k in ("param_compression", "grad_compression")):
-        out["link"] = "slow"  # a path key chooses FCDP's paths (FCDPConfig.paths_asked)
+    if paths.paths_asked(block):
+        out["link"] = "slow"  # a path key chooses FCDP's paths
     if isinstance(block.get("compression_block"), int):
         out["compression_block"] = block["compression_block"]
     if isinstance(block.get("diloco"), dict) and block["diloco"].get("enabled", True):
