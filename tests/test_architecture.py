@@ -48,7 +48,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("reporting",),           # byte ledger, counters, timeline, monitor
     ("storage",),             # cache entries and slots, placement, memory limits
     ("grads",),               # the gradient path, its compressed inter-node stage and residuals included
-    ("runtime", "diloco"),    # the parameter cache per engine, its compressed stage 1; DiLoCo's outer steps
+    ("runtime", "diloco", "layered"),  # the parameter cache per engine, its compressed stage 1; DiLoCo's outer steps;
+                                       # layered accumulation's chunk loop over a model's layers
     ("engine",),              # the stage-3 optimizer subclasses and what an engine adds
     ("activation",),          # install(), the startup path, the version gate
     ("integrations",),        # the HF Trainer callback

@@ -23,6 +23,7 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 from fcdp_deepspeed import paths
 from fcdp_deepspeed.config import ds_compat
 from fcdp_deepspeed.config.diloco import DiLoCoConfig, DiLoCoField, ds_problems as diloco_problems
+from fcdp_deepspeed.config.layered import LayeredConfig, LayeredField, ds_problems as layered_problems
 from fcdp_deepspeed.config.errors import FCDP_KEY, FCDPConfigError, placement_problems, validation_problems
 
 #: Default elements per scale block of the compression codec (``fcdp.compression_block``; ``compress/quant.py``).
@@ -149,7 +150,7 @@ def _size_string_to_bytes(value: Any, info: Any) -> Any:
     return value
 
 
-class FCDPConfig(DiLoCoField):
+class FCDPConfig(DiLoCoField, LayeredField):
     """User-facing options of the ``"fcdp"`` block. Every field is optional."""
 
     enabled: bool = False
@@ -468,6 +469,8 @@ def check_ds_config_compatible(ds_config: Mapping[str, Any]) -> None:
     fcdp = parse_fcdp_config(ds_config)
     if fcdp.diloco is not None:
         problems += diloco_problems(fcdp, zero, ds_config)
+    if fcdp.layered is not None:
+        problems += layered_problems(fcdp.layered, ds_config)
     if fcdp.grad_compression != "off" and zero.zero_quantized_gradients:
         problems.append(f"fcdp.grad_compression = \"{fcdp.grad_compression}\" with zero_optimization.zero_quantized_gradients "
                         "(ZeRO++ qgZ): both quantize the gradient reduction, and qgZ bypasses the reduce-scatter FCDP "

@@ -44,7 +44,7 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from fcdp_deepspeed import grads
+from fcdp_deepspeed import grads, layered
 from fcdp_deepspeed.grads import compressed as compress_grads
 from fcdp_deepspeed.grads.residual import move_residuals, reap_residuals
 from fcdp_deepspeed.compress.state import CompressionState
@@ -275,11 +275,15 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
         #: The compression state saved in this rank's optimizer state (``compress/state.py``), set in _attach.
         self.fcdp_state: CompressionState | None = None
         self.fcdp_phase = Phase.TRAINING
+        #: ``fcdp.layered``: the model's layers run layered; installed before DeepSpeed hooks the model.
+        self.fcdp_layered = layered.attach(module, fcdp_config.layered) if fcdp_config.enabled else None
         super().__init__(module, init_optimizer, *args, **self._diloco_kwargs(fcdp_config, kwargs))
 
     # -- construction -------------------------------------------------------------------------------
     def initialize_ds_offload(self, *args, **kwargs):
         offload = super().initialize_ds_offload(*args, **_without_inherited_hpz_group(kwargs))
+        if self.fcdp_layered is not None:  # before create_reduce_and_remove_grad_hooks reads the leaf marks
+            self.fcdp_layered.keep_parameter_gradients()
         self._diloco_repartition(kwargs["module"])
         return offload
 

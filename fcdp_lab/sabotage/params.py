@@ -16,6 +16,8 @@ leave pending groups), ``stale_reference`` (a pending compressed group survives 
 ``link.*`` (the paths' choice, ``machine/link.py``): ``no_agreement`` (each rank decides from its own probe),
 ``no_vote`` (each data-parallel group keeps its own choice).
 
+``layered.depth_first`` (``fcdp.layered``'s chunks run one at a time through every layer, ``layered/stack.py``).
+
 ``gather.*`` (the deferred stage 2s, ``runtime/sequencer.py``): ``drain_own`` (a wait issues only its own stage 2, in
 each rank's wait order), ``stage2_early`` (stage 2 without waiting for stage 1), ``delay=SECONDS`` (every stage 1
 issued that late).
@@ -202,3 +204,28 @@ def _no_vote(value: Optional[str]) -> None:
     """Each data-parallel group keeps its own choice, the job's vote skipped ([Note: one choice per job])."""
     from fcdp_deepspeed.machine import link
     replace(link, "vote", lambda local, topo: local if local is not None else link._nothing_to_weigh(topo))
+
+
+@variant("layered.depth_first")
+def _layered_depth_first(value: Optional[str]) -> None:
+    """``fcdp.layered`` runs the chunks depth-first: one chunk through every layer before the next (the layers stay
+    ZeRO-3 leaf modules), so each layer is gathered once per chunk in forward and in backward."""
+    import torch
+
+    from fcdp_deepspeed.layered import split
+    from fcdp_deepspeed.layered.stack import LayeredStack
+
+    def make(original_init):
+        def init(self, model, config):
+            original_init(self, model, config)
+            for layer in self.layers:
+                layer.forward = layer.forward.__wrapped__
+            whole = model.forward
+
+            def forward(*args, **kwargs):
+                if not (model.training and torch.is_grad_enabled()):
+                    return whole(*args, **kwargs)
+                return split.merge([whole(*a, **k) for a, k in split.split_call(args, kwargs, self.chunks)])
+            model.forward = forward
+        return init
+    wrap(LayeredStack, "__init__", make)

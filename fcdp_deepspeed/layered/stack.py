@@ -1,0 +1,150 @@
+"""Layered (breadth-first) gradient accumulation over a model's layers (``fcdp.layered``).
+
+Each batch runs through a layer as ``chunks`` calls, one per chunk, each under non-reentrant activation
+checkpointing, before the next layer starts; the layer's output is the chunks' outputs joined. What that does:
+
+- **Forward**: every chunk passes layer ``i`` before any chunk enters layer ``i+1`` (the loop is inside the layer).
+- **Backward**: autograd runs ready nodes in decreasing sequence number, and all of layer ``i``'s chunk graphs were
+  recorded after layer ``i-1``'s, so the backward recomputes and differentiates layer ``i`` for every chunk before
+  it reaches layer ``i-1`` (checked on the installed torch by ``tests/test_layered.py``). A parameter used by every
+  chunk has its gradients summed in its ``AccumulateGrad`` input buffer: its gradient hook fires once per step, so
+  ZeRO-3 (or FCDP's reducer) reduces it once, as soon as the backward leaves the layer.
+- **One gather per layer per pass** ([Note: the hold is ZeRO-3's leaf module]): each layer is made a ZeRO-3 leaf
+  module (``deepspeed.utils.set_z3_leaf_module``, DeepSpeed's own mechanism for modules whose inside it must not
+  hook): DeepSpeed then fetches all of the layer's parameters in the layer's pre-forward hook, releases them in its
+  post-forward hook, fetches them again when the gradient reaches the layer's output and releases them when it
+  leaves through the layer's input. The chunk loop and every recomputation run between those hooks, so the layer is
+  gathered once in forward and once in backward whatever ``chunks`` is, and every copy is DeepSpeed's (or FCDP's
+  cache's) fetch of the step's parameters: nothing here holds a parameter across a write.
+- **Memory**: the layer boundaries of the whole batch stay alive (the checkpoints' inputs), the inside of a layer
+  for one chunk at a time: full-batch training with per-layer checkpointing.
+
+Only training calls with gradients split (``module.training`` and grad mode); evaluation and generation run the
+layer whole, as written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from deepspeed.utils import set_z3_leaf_module
+
+from fcdp_deepspeed.config.layered import LayeredConfig
+from fcdp_deepspeed.layered import split
+from fcdp_deepspeed.layered.layers import find_layers
+
+_ATTACHED = "_fcdp_layered"
+
+
+@dataclass
+class LayeredCounters:
+    """What ran layered (``get_stats``' ``layered_*``)."""
+
+    batches: int = 0
+    """Training batches that passed the first layer in chunks."""
+    chunk_calls: int = 0
+    """Chunk forwards of all layers (``batches * layers * chunks`` when nothing ran whole)."""
+    recomputes: int = 0
+    """Chunk recomputations in backward (the same count once each batch's backward ran)."""
+    boundary_bytes: int = 0
+    """Bytes of the layer inputs the last batch kept for its backward (every layer's, all chunks)."""
+    peak_boundary_bytes: int = 0
+    """The largest ``boundary_bytes`` of any batch."""
+
+
+class LayeredStack:
+    """A model's layer list run layered: the chunk loop installed as each layer's ``forward``."""
+
+    def __init__(self, model: torch.nn.Module, config: LayeredConfig) -> None:
+        self.chunks = config.chunks
+        self.name, self.layers = find_layers(model, config.layers)
+        self.counters = LayeredCounters()
+        self._batch_bytes = 0
+        #: The layers this stack made leaf modules (a layer the user made one keeps DeepSpeed's leaf gradients).
+        self._made_leaf: list[torch.nn.Module] = []
+        for index, layer in enumerate(self.layers):
+            if getattr(layer, _ATTACHED, None) is not None:
+                continue  # a second engine over the same model: the layer is layered already
+            if not getattr(layer, "_z3_leaf", False):
+                set_z3_leaf_module(layer, True)  # before DeepSpeed registers its hooks (see the module docstring)
+                self._made_leaf.append(layer)
+            layer.forward = self._chunked(layer, layer.forward, first=index == 0)
+            setattr(layer, _ATTACHED, self)
+
+    def _chunked(self, layer: torch.nn.Module, forward: Callable[..., Any], first: bool) -> Callable[..., Any]:
+        def run_chunk(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and not self._in_forward:
+                self.counters.recomputes += 1  # non-reentrant checkpoint's recomputation, inside the backward
+            return forward(*args, **kwargs)
+
+        def layered_forward(*args: Any, **kwargs: Any) -> Any:
+            if not (layer.training and torch.is_grad_enabled()):
+                return forward(*args, **kwargs)
+            parts = split.split_call(args, kwargs, self.chunks)
+            if first:
+                self.counters.batches += 1
+                self._batch_bytes = 0
+            self._batch_bytes += _tensor_bytes(args) + _tensor_bytes(kwargs)
+            self.counters.boundary_bytes = self._batch_bytes
+            self.counters.peak_boundary_bytes = max(self.counters.peak_boundary_bytes, self._batch_bytes)
+            outputs = []
+            self._in_forward = True
+            try:
+                for part_args, part_kwargs in parts:
+                    outputs.append(checkpoint(run_chunk, *part_args, use_reentrant=False, **part_kwargs))
+                    self.counters.chunk_calls += 1
+            finally:
+                self._in_forward = False
+            return split.merge(outputs)
+
+        layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+        return layered_forward
+
+    _in_forward = False
+
+    def keep_parameter_gradients(self) -> None:
+        """After DeepSpeed registered its module hooks: the layers' parameters keep the per-parameter gradient hook.
+
+        [Note: leaf fetches, per-parameter gradients] DeepSpeed marks every parameter of a leaf module
+        (``param.ds_z3_leaf_module``) and then reduces their gradients from the module's full backward hook instead
+        of each parameter's ``AccumulateGrad`` hook. That hook fires when the gradient reaches the layer's input, and
+        when the input needs no gradient (the first layers of a LoRA model) autograd fires it before the layer's own
+        backward: DeepSpeed then reduces zeros and the parameters are partitioned under the layer's backward. The
+        leaf is wanted for the fetch only (``partitioned_param_coordinator`` reads the module flag, never the
+        parameter mark), so the mark is taken off again before the optimizer creates its gradient hooks: each
+        parameter is reduced once, after its gradient is complete, as in any ZeRO-3 model."""
+        for layer in self._made_leaf:
+            for param in layer.parameters():
+                if getattr(param, "ds_z3_leaf_module", None) is layer:
+                    del param.ds_z3_leaf_module
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {"layered_chunks": self.chunks, "layered_layers": len(self.layers), "layered_list": self.name,
+                "layered_batches": c.batches, "layered_chunk_calls": c.chunk_calls, "layered_recomputes": c.recomputes,
+                "layered_boundary_bytes": c.boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct tensors in ``value`` (shared ones, such as a rotary table, once per call)."""
+    seen: dict[int, int] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            seen.setdefault(id(v), v.numel() * v.element_size())
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+    walk(value)
+    return sum(seen.values())
+
+
+def attach(model: torch.nn.Module, config: LayeredConfig | None) -> LayeredStack | None:
+    """Run ``model``'s layers layered when ``fcdp.layered`` asks for it (before DeepSpeed hooks the model)."""
+    return LayeredStack(model, config) if config is not None else None
