@@ -17,7 +17,7 @@ from typing import Optional
 #: Set to 1 for the full traceback of a config error.
 TRACEBACK_ENV = "FCDP_TRACEBACK"
 #: The exception classes printed as one line (by name: they live in modules this one must not import).
-ONE_LINE = ("FCDPConfigError", "UnsupportedDeepSpeedVersion", "TopologyError")
+ONE_LINE = ("FCDPConfigError", "UnsupportedDeepSpeedVersion", "TopologyError", "LayeredCallError")
 _PREVIOUS: list = []
 
 

@@ -134,3 +134,18 @@ def announce_diloco(topology: Any, config: Any, outer_host_bytes: int) -> None:
     """Log :func:`diloco_line` once, on rank 0, at WARNING."""
     if dist.get_rank() == 0:
         logger.warning(diloco_line(topology, config, outer_host_bytes))
+
+
+def layered_line(stack: Any) -> str:
+    """The line for ``fcdp.layered``: the chunks, the layers, what it costs in memory and what it turned off."""
+    cache = "; the model's use_cache turned off (a key/value cache would mix the chunks)" if stack.cache_turned_off else ""
+    return (f"fcdp: layered accumulation: each batch in {stack.chunks} chunks, every chunk through a layer before any "
+            f"enters the next, over the {len(stack.layers)} layers of {stack.name or 'the model'} (each gathered once in "
+            f"forward and once in backward per step, checkpointed per layer and chunk: the layer inputs of the whole "
+            f"batch stay alive for the backward, get_stats' layered_boundary_bytes){cache}.")
+
+
+def announce_layered(stack: Any) -> None:
+    """Log :func:`layered_line` once, on rank 0, at WARNING."""
+    if dist.get_rank() == 0:
+        logger.warning(layered_line(stack))

@@ -49,6 +49,7 @@ from fcdp_deepspeed.grads import compressed as compress_grads
 from fcdp_deepspeed.grads.residual import move_residuals, reap_residuals
 from fcdp_deepspeed.compress.state import CompressionState
 from fcdp_deepspeed.config import ds_compat
+from fcdp_deepspeed.config import FCDPConfigError, layered_problems
 from fcdp_deepspeed.config import (check_ds_config_compatible, grad_accumulation_blockers, grad_path_blockers,
                                    load_ds_config, parse_fcdp_config)
 from fcdp_deepspeed.engine import announce
@@ -276,8 +277,17 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
         self.fcdp_state: CompressionState | None = None
         self.fcdp_phase = Phase.TRAINING
         #: ``fcdp.layered``: the model's layers run layered; installed before DeepSpeed hooks the model.
-        self.fcdp_layered = layered.attach(module, fcdp_config.layered) if fcdp_config.enabled else None
+        self.fcdp_layered = None
+        if fcdp_config.enabled and fcdp_config.layered is not None:
+            # the accumulation DeepSpeed resolved (train_batch_size can imply it), not only the config's key
+            resolved = {**ds_config, "gradient_accumulation_steps": kwargs.get("gradient_accumulation_steps", 1)}
+            problems = layered_problems(fcdp_config.layered, resolved)
+            if problems:
+                raise FCDPConfigError(f"fcdp cannot run with this DeepSpeed config: {problems[0]}.")
+            self.fcdp_layered = layered.attach(module, fcdp_config.layered)
         super().__init__(module, init_optimizer, *args, **self._diloco_kwargs(fcdp_config, kwargs))
+        if self.fcdp_layered is not None:
+            announce.announce_layered(self.fcdp_layered)
 
     # -- construction -------------------------------------------------------------------------------
     def initialize_ds_offload(self, *args, **kwargs):

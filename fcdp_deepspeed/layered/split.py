@@ -34,42 +34,48 @@ def _split(value: Any, batch: int, chunks: int) -> list[Any]:
         return [value] * chunks
     if isinstance(value, (tuple, list)):
         parts = [_split(v, batch, chunks) for v in value]
-        return [type(value)(p[i] for p in parts) for i in range(chunks)]
+        return [_rebuild(value, [p[i] for p in parts]) for i in range(chunks)]
     if isinstance(value, dict):
         parts = {k: _split(v, batch, chunks) for k, v in value.items()}
         return [{k: p[i] for k, p in parts.items()} for i in range(chunks)]
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return [value] * chunks
-    raise LayeredCallError(f"fcdp.layered: a layer argument of type {type(value).__name__} cannot be shared by the "
-                           f"batch's chunks (a key/value cache would mix them). Fix: train with use_cache=False "
-                           f"(Hugging Face: model.config.use_cache = False), or remove fcdp.layered.")
+    raise LayeredCallError(f"fcdp.layered: a layer argument of type {type(value).__name__} is neither a tensor nor a "
+                           f"plain value, so it cannot be split over the batch's chunks or shared by them safely (a "
+                           f"key/value cache would mix them). Fix: train without it (Hugging Face: use_cache=False), or "
+                           f"remove fcdp.layered.")
+
+
+def _rebuild(like: Any, items: list) -> Any:
+    """A tuple or list (a named tuple too) of ``like``'s type holding ``items``."""
+    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
 
 
 def split_call(args: tuple, kwargs: dict, chunks: int) -> list[tuple[tuple, dict]]:
-    """The call's arguments for each chunk, in order (``torch.tensor_split``: sizes differ by at most one)."""
+    """The call's arguments for each chunk, in order (``torch.tensor_split``: sizes differ by at most one; a batch
+    smaller than ``chunks`` runs one example per chunk)."""
     batch = first_batch_size(args, kwargs)
-    if batch < chunks:
-        raise LayeredCallError(f"fcdp.layered.chunks = {chunks} is more than the batch of {batch} examples a layer "
-                               f"received. Fix: feed at least {chunks} examples per step (train_micro_batch_size_per_gpu), "
-                               f"or lower chunks.")
+    chunks = min(chunks, batch)  # a short last batch (a data loader that keeps it) runs in fewer chunks
     arg_parts = _split(tuple(args), batch, chunks)
     kwarg_parts = _split(dict(kwargs), batch, chunks)
     return list(zip(arg_parts, kwarg_parts))
 
 
-def merge(outputs: list[Any]) -> Any:
-    """The chunks' outputs as the whole batch's: tensors concatenated along the batch, structures element-wise."""
+def merge(outputs: list[Any], sizes: list[int]) -> Any:
+    """The chunks' outputs as the whole batch's (``sizes``: each chunk's examples): per-example tensors (first
+    dimension the chunk's size) concatenated along the batch, structures element-wise."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            raise LayeredCallError("fcdp.layered: a layer returned a scalar tensor (an auxiliary loss?), which has no "
-                                   "batch dimension to join its chunks along. Fix: return it from the model, not the "
-                                   "layer, or remove fcdp.layered.")
-        return torch.cat(outputs, dim=0)
+        if all(o.dim() >= 1 and o.shape[0] == n for o, n in zip(outputs, sizes)):
+            return torch.cat(outputs, dim=0)
+        raise LayeredCallError(f"fcdp.layered: a layer returned a tensor of shape {tuple(first.shape)} whose first "
+                               f"dimension is not its chunk's {sizes[0]} examples (an auxiliary loss, a shared bias?), "
+                               f"so the chunks' values cannot be joined into the batch's. Fix: return it from the model, "
+                               f"not the layer, or remove fcdp.layered.")
     if isinstance(first, (tuple, list)):
-        return type(first)(merge([o[i] for o in outputs]) for i in range(len(first)))
+        return _rebuild(first, [merge([o[i] for o in outputs], sizes) for i in range(len(first))])
     if isinstance(first, dict):
-        return type(first)((k, merge([o[k] for o in outputs])) for k in first)
+        return type(first)((k, merge([o[k] for o in outputs], sizes)) for k in first)
     if all(o is first for o in outputs) or all(o == first for o in outputs):
         return first
     raise LayeredCallError(f"fcdp.layered: the chunks of a layer returned different {type(first).__name__} values "

@@ -62,15 +62,28 @@ class LayeredStack:
         self.chunks = config.chunks
         self.name, self.layers = find_layers(model, config.layers)
         self.counters = LayeredCounters()
+        #: [Note: no key/value cache] a Hugging Face model builds a cache when ``config.use_cache`` is on, in training
+        #: too, and hands it to every layer; the chunks of a batch would append to one cache. Training needs none.
+        self.cache_turned_off = getattr(getattr(model, "config", None), "use_cache", False) is True
+        if self.cache_turned_off:
+            model.config.use_cache = False
         self._batch_bytes = 0
-        #: The layers this stack made leaf modules (a layer the user made one keeps DeepSpeed's leaf gradients).
-        self._made_leaf: list[torch.nn.Module] = []
         for index, layer in enumerate(self.layers):
             if getattr(layer, _ATTACHED, None) is not None:
-                continue  # a second engine over the same model: the layer is layered already
+                continue  # a second engine over the same model: the layer is layered already (by the first stack)
+            nested = _nested_leaves(layer)
+            if nested:
+                # [Note: nested leaves] DeepSpeed marks mixture-of-experts blocks as leaves so that an expert no token
+                # reached still reduces a zero gradient on every rank (its leaf gradient hook); a layered layer would
+                # take those parameters into its own leaf and the per-parameter hooks, where a rank whose expert got
+                # no tokens would skip the reduce its peers run.
+                raise split.LayeredCallError(
+                    f"fcdp.layered: layer {index} of {self.name} ({type(layer).__name__}) contains ZeRO-3 leaf modules "
+                    f"({', '.join(nested[:3])}; mixture-of-experts blocks are leaves by DeepSpeed's default), which "
+                    f"layered accumulation does not run yet. Fix: remove fcdp.layered for this model.")
             if not getattr(layer, "_z3_leaf", False):
                 set_z3_leaf_module(layer, True)  # before DeepSpeed registers its hooks (see the module docstring)
-                self._made_leaf.append(layer)
+                layer._fcdp_layered_leaf = True  # a layer the user made a leaf keeps DeepSpeed's leaf gradients
             layer.forward = self._chunked(layer, layer.forward, first=index == 0)
             setattr(layer, _ATTACHED, self)
 
@@ -81,6 +94,8 @@ class LayeredStack:
             return forward(*args, **kwargs)
 
         def layered_forward(*args: Any, **kwargs: Any) -> Any:
+            if layer.training:
+                _refuse_reentrant_checkpointing(layer)
             if not (layer.training and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             parts = split.split_call(args, kwargs, self.chunks)
@@ -98,7 +113,7 @@ class LayeredStack:
                     self.counters.chunk_calls += 1
             finally:
                 self._in_forward = False
-            return split.merge(outputs)
+            return split.merge(outputs, [split.first_batch_size(a, k) for a, k in parts])
 
         layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return layered_forward
@@ -116,7 +131,9 @@ class LayeredStack:
         leaf is wanted for the fetch only (``partitioned_param_coordinator`` reads the module flag, never the
         parameter mark), so the mark is taken off again before the optimizer creates its gradient hooks: each
         parameter is reduced once, after its gradient is complete, as in any ZeRO-3 model."""
-        for layer in self._made_leaf:
+        for layer in self.layers:
+            if not getattr(layer, "_fcdp_layered_leaf", False):
+                continue
             for param in layer.parameters():
                 if getattr(param, "ds_z3_leaf_module", None) is layer:
                     del param.ds_z3_leaf_module
@@ -125,7 +142,25 @@ class LayeredStack:
         c = self.counters
         return {"layered_chunks": self.chunks, "layered_layers": len(self.layers), "layered_list": self.name,
                 "layered_batches": c.batches, "layered_chunk_calls": c.chunk_calls, "layered_recomputes": c.recomputes,
-                "layered_boundary_bytes": c.boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
+                "layered_cache_turned_off": self.cache_turned_off, "layered_boundary_bytes": c.boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
+
+
+def _refuse_reentrant_checkpointing(layer: torch.nn.Module) -> None:
+    """[Note: reentrant checkpointing around a layer] A Hugging Face layer checkpointed with ``use_reentrant=True``
+    runs its forward without gradients (so whole, not layered) and its backward as a nested backward that DeepSpeed's
+    hooks around the layer were not written for; transformers' default is non-reentrant, which composes. Checked at
+    each call: the model's checkpointing can be switched on after the engine is built."""
+    fn = getattr(layer, "_gradient_checkpointing_func", None)
+    if getattr(layer, "gradient_checkpointing", False) and getattr(fn, "keywords", {}).get("use_reentrant"):
+        raise split.LayeredCallError(
+            f"fcdp.layered with the model's reentrant activation checkpointing of {type(layer).__name__} "
+            f"(use_reentrant=True): layered accumulation already checkpoints every layer per chunk. Fix: "
+            f"gradient_checkpointing_kwargs={{\"use_reentrant\": False}} (transformers' default), turn the model's "
+            f"gradient checkpointing off, or remove fcdp.layered.")
+
+
+def _nested_leaves(layer: torch.nn.Module) -> list[str]:
+    return [name for name, sub in layer.named_modules() if name and getattr(sub, "_z3_leaf", False)]
 
 
 def _tensor_bytes(value: Any) -> int:

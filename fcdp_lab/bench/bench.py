@@ -52,6 +52,8 @@ FCDP_BLOCKS = {"fcdp": {"grad_reduce": "flat", "grad_accumulation": "rank"}, "fc
                "fcdp_defaults": {},
                # ZeRO-3's paths declared (no probe, no node or node-peer communicator): fcdp_defaults' fast-link choice
                "fcdp_fast": {"link": "fast"},
+               # fcdp.layered: the defaults, the GA window run as one batch in --grad-accum chunks (layered/stack.py)
+               "fcdp_layered": {},
                # issue 31: the run-ahead of stage 1 (runtime/runahead.py) is opt-in; the committed
                # docs/bench_overlap_* run predates that and names the push-on engine fcdp_node
                "fcdp_node_nopush": {"grad_accumulation": "node", "param_push_bytes": 0},
@@ -80,7 +82,7 @@ FCDP_BLOCKS |= {name: {"diloco": block} for name, block in DILOCO_ENGINES.items(
 #: Every engine ``--engines`` accepts: the defaults plus ``fcdp_node_flat`` (``fcdp_node`` with DeepSpeed's
 #: flat ring for misses, to compare the two-stage gather side by side in one run) and the lossy
 #: ``fcdp_int8``/``fcdp_int4``/... (``tools/bench/compression.py``).
-ALL_ENGINES = (*ENGINES, "fcdp_defaults", "fcdp_fast", "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
+ALL_ENGINES = (*ENGINES, "fcdp_defaults", "fcdp_fast", "fcdp_layered", "fcdp_node_flat", "fcdp_node_nopush", "fcdp_node_noahead", "fcdp_node_push", "fcdp_node_push8m", "fcdp_node_syncgrad", "fcdp_flat", "fcdp_nocache",
                "fcdp_hier_rank", *COMPRESSED_ENGINES,
                *DILOCO_ENGINES)
 #: ``ENGINE@before``: that engine run from another checkout (``--before-src``, e.g. ``git archive`` of the commit
@@ -183,7 +185,10 @@ def rank_main(spec: dict, job: str) -> list[dict]:
             block["compression_block"] = s.compression_block
         if block is not None:
             block.update(s.fcdp_extra)
-        cfg = toy.ds_config(block, regime=s.regime, grad_accum=s.grad_accum, micro_batch=s.micro_batch,
+        ga, micro = s.grad_accum, s.micro_batch
+        if engine_name == "fcdp_layered" and ga > 1:  # the same global batch: one batch of the window, in chunks
+            block["layered"], ga, micro = ga, 1, micro * ga
+        cfg = toy.ds_config(block, regime=s.regime, grad_accum=ga, micro_batch=micro,
                             hpz=s.ranks_per_node if engine_name == "hpz" else 0)
         get_accelerator().reset_peak_memory_stats()
         engine = toy.build_engine(cfg, hidden=s.hidden, layers=s.layers, lora_rank=lora_rank)

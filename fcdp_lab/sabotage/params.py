@@ -225,7 +225,8 @@ def _layered_depth_first(value: Optional[str]) -> None:
             def forward(*args, **kwargs):
                 if not (model.training and torch.is_grad_enabled()):
                     return whole(*args, **kwargs)
-                return split.merge([whole(*a, **k) for a, k in split.split_call(args, kwargs, self.chunks)])
+                parts = split.split_call(args, kwargs, self.chunks)
+                return split.merge([whole(*a, **k) for a, k in parts], [split.first_batch_size(a, k) for a, k in parts])
             model.forward = forward
         return init
     wrap(LayeredStack, "__init__", make)

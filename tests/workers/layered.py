@@ -18,8 +18,9 @@ from workers.common import setup
 HIDDEN = 32
 
 
-def _engine(block: dict | None, ga: int, micro: int, regime: str, lora: int, ckpt: bool, dtype: str = "fp32"):
-    cfg = toy.ds_config(block, regime=regime, grad_accum=ga, micro_batch=micro, dtype=dtype)
+def _engine(block: dict | None, ga: int, micro: int, regime: str, lora: int, ckpt: bool, dtype: str = "fp32",
+            zero: dict | None = None):
+    cfg = toy.ds_config(block, regime=regime, grad_accum=ga, micro_batch=micro, dtype=dtype, **(zero or {}))
     return toy.build_engine(cfg, hidden=HIDDEN, lora_rank=lora, activation_checkpointing=ckpt)
 
 
@@ -70,10 +71,11 @@ def _grad_error(engine, exact: dict) -> float:
 
 
 def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, regime: str, lora: int = 0,
-        ckpt: bool = False, check_grads: bool = True) -> dict:
+        ckpt: bool = False, check_grads: bool = True, dtype: str = "fp32", zero: dict | None = None) -> dict:
     """``steps`` optimizer steps; each reads the window of ``chunks_of`` micro-batches of ``micro`` examples, as
     ``ga`` micro-steps of ``chunks_of // ga`` batches each (ZeRO-3: ga = chunks_of; layered: ga = 1)."""
-    engine = _engine(block, ga, micro * chunks_of // ga, regime, lora, ckpt)
+    engine = _engine(block, ga, micro * chunks_of // ga, regime, lora, ckpt, dtype, zero)
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     losses, errors = [], []
     keys = ("intra_node_allgather_calls", "inter_node_allgather_calls", "intra_node_allgather_bytes",
             "inter_node_allgather_bytes")
@@ -87,7 +89,7 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
         for m in range(ga):
             part = window[m * per:(m + 1) * per]
             x, y = torch.cat([p[0] for p in part]), torch.cat([p[1] for p in part])
-            loss = F.mse_loss(engine(x), y)
+            loss = F.mse_loss(engine(x.to(cast)).float(), y)
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary() and check_grads:
                 errors.append(_grad_error(engine, exact))
@@ -104,15 +106,18 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
 
 
 def compare(regime: str = "large", chunks: int = 4, micro: int = 2, steps: int = 3, lora: int = 0,
-            ckpt: bool = False, fcdp_extra: dict | None = None, ranks_per_node: int = 2) -> dict:
+            ckpt: bool = False, fcdp_extra: dict | None = None, ranks_per_node: int = 2, dtype: str = "fp32",
+            zero: dict | None = None, with_whole: bool = True) -> dict:
     """ZeRO-3 accumulating ``chunks`` micro-steps, FCDP without layered at GA 1 over the whole window (the
     gathers a window should cost), and FCDP layered in ``chunks`` chunks at GA 1."""
     setup(ranks_per_node)
     fcdp = {"enabled": True, "ranks_per_node": ranks_per_node, **(fcdp_extra or {})}
-    common = dict(micro=micro, chunks_of=chunks, steps=steps, regime=regime, lora=lora, ckpt=ckpt)
+    common = dict(micro=micro, chunks_of=chunks, steps=steps, regime=regime, lora=lora, ckpt=ckpt, dtype=dtype,
+                  zero=zero, check_grads=dtype == "fp32")
     out = {"zero3": run(None, ga=chunks, **common),
-           "whole": run(fcdp, ga=1, check_grads=False, **common),
            "layered": run({**fcdp, "layered": chunks}, ga=1, **common)}
+    if with_whole:
+        out["whole"] = run(fcdp, ga=1, **{**common, "check_grads": False})
     dist.barrier()
     return out
 
@@ -125,5 +130,63 @@ def gathers(regime: str = "large", chunks: int = 4, micro: int = 2, steps: int =
     fcdp = {"enabled": True, "ranks_per_node": ranks_per_node, "link": link}
     common = dict(ga=1, micro=micro, chunks_of=chunks, steps=steps, regime=regime, check_grads=False)
     out = {"whole": run(fcdp, **common)["per_step"], "layered": run({**fcdp, "layered": chunks}, **common)["per_step"]}
+    dist.barrier()
+    return out
+
+
+def _tiny_hf(kind: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=3, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # tied embeddings
+
+
+def hf_trainer(kind: str = "llama", chunks: int = 4, steps: int = 3, ranks_per_node: int = 2) -> dict:
+    """The HF Trainer on a tiny ``kind`` model: ZeRO-3 accumulating ``chunks`` micro-batches of one sequence, and FCDP
+    layered in ``chunks`` chunks of a batch of ``chunks`` sequences; losses logged and the final weights."""
+    import json
+    import os
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    out = {}
+    for name in ("zero3", "layered"):
+        ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "steps_per_print": 10**9}
+        if name == "layered":
+            ds["fcdp"] = {"enabled": True, "ranks_per_node": ranks_per_node, "layered": chunks}
+        tmp = tempfile.mkdtemp()
+        with open(os.path.join(tmp, "ds.json"), "w") as f:
+            json.dump(ds, f)
+        batch, ga = (1, chunks) if name == "zero3" else (chunks, 1)
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, gradient_accumulation_steps=ga,
+                                 max_steps=steps, learning_rate=1e-3, deepspeed=os.path.join(tmp, "ds.json"),
+                                 use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
+                                 disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
+        trainer = Trainer(model=_tiny_hf(kind), args=args, train_dataset=Tokens())
+        trainer.train()
+        engine = trainer.model_wrapped
+        weights = {}
+        for n, p in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                weights[n] = p.detach().float().clone()
+        stats = fcdp_deepspeed.get_stats(engine)
+        out[name] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                     "weights": weights if dist.get_rank() == 0 else {},
+                     "stats": {k: v for k, v in stats.items() if k.startswith("layered_")}}
     dist.barrier()
     return out

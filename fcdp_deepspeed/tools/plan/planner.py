@@ -42,6 +42,7 @@ from fcdp_deepspeed.tools import args as checks
 from fcdp_deepspeed.tools.args import plural
 from fcdp_deepspeed.tools.plan.compression import SETTINGS, compressed_step
 from fcdp_deepspeed.tools.plan.diloco import diloco_plan, format_diloco
+from fcdp_deepspeed.tools.plan.layered import activation_plan, format_activations
 
 GBIT = 1e9 / 8  # bytes per second per Gbit/s
 GIB = 2 ** 30
@@ -91,6 +92,13 @@ class ClusterSpec:
     """``fcdp.link``: ``probe`` predicts what the engine's probe will choose on this cluster; ``slow``/``fast``."""
     diloco: Optional[dict] = None
     """The config's ``fcdp.diloco`` block (``tools/plan/diloco.py``): adds the DiLoCo rows."""
+    layered_chunks: int = 1
+    """``fcdp.layered``'s chunks (1: off); with ``layers``, ``hidden``, ``seq`` and ``batch``, the activation rows."""
+    layers: Optional[int] = None
+    hidden: Optional[int] = None
+    seq: Optional[int] = None
+    batch: Optional[int] = None
+    """Examples per rank per optimizer step (the window: micro-batch x accumulation steps)."""
 
     def __post_init__(self) -> None:
         problems = [f"{name} = {getattr(self, name)!r}: {why}" for name, ok, why in (
@@ -115,7 +123,11 @@ class ClusterSpec:
             ("compression_block", self.compression_block >= 8 and self.compression_block % 2 == 0,
              "must be an even number >= 8"), ("latency_us", self.latency_us >= 0, "must be >= 0"),
             ("fetch_bytes", self.fetch_bytes is None or self.fetch_bytes > 0, "must be > 0"),
-            ("link", self.link in ("probe", "slow", "fast"), "must be probe, slow or fast")) if not ok]
+            ("link", self.link in ("probe", "slow", "fast"), "must be probe, slow or fast"),
+            ("layered_chunks", isinstance(self.layered_chunks, int) and self.layered_chunks >= 1,
+             "must be a whole number >= 1"),
+            *((name, getattr(self, name) is None or getattr(self, name) >= 1, "must be a whole number >= 1")
+              for name in ("layers", "hidden", "seq", "batch"))) if not ok]
         if problems:
             raise ValueError("invalid cluster spec: " + "; ".join(problems))
 
@@ -267,6 +279,9 @@ def plan(spec: ClusterSpec) -> dict:
     out["cached_fraction"] = cached_fraction
     if spec.diloco is not None:
         out["diloco"] = diloco_plan(spec, spec.diloco)
+    if None not in (spec.layers, spec.hidden, spec.seq, spec.batch):
+        chunks = spec.layered_chunks if spec.layered_chunks > 1 else spec.grad_accum
+        out["activations"] = activation_plan(spec.layers, spec.hidden, spec.seq, spec.batch, chunks, spec.dtype_bytes)
     return out
 
 
@@ -354,6 +369,7 @@ def format_plan(result: dict, assumptions: Optional[list[str]] = None) -> str:
                          f"{r['inter_node_bytes_per_step'] / base:>10.4f} {r['step_time_lower_bound_s']:>12.3f} "
                          f"{_gib(r['reference_bytes_per_rank']):>11} {_gib(r['residual_bytes_per_rank']):>10}")
     lines += format_diloco(result.get("diloco"), result["engines"]["bound"]["inter_node_bytes_per_step"])
+    lines += format_activations(result.get("activations"))
     chosen = result.get("paths")
     if chosen:
         whose = "FCDP's" if chosen["paths"] == "fcdp" else "ZeRO-3's"
@@ -388,6 +404,11 @@ _OPTIONS = (
     ("--compression-block", checks.whole(8), 128, "fcdp.compression_block of the compressed rows (even)"),
     ("--latency-us", checks.non_negative(), 50.0, "one ring step's fixed time, microseconds (gloo on the emulator ~600)"),
     ("--fetch-mib", checks.positive(), None, "the model's mean per-module parameter MiB (default: the model / 200)"),
+    ("--layered-chunks", checks.whole(1), 1, "fcdp.layered's chunks (default: the config's, else 1: off)"),
+    ("--layers", checks.whole(1), None, "layers of the model, for the activation rows"),
+    ("--hidden", checks.whole(1), None, "hidden size, for the activation rows"),
+    ("--seq", checks.whole(1), None, "sequence length, for the activation rows"),
+    ("--batch", checks.whole(1), None, "examples per rank per optimizer step (default: the config's micro-batch x GA)"),
 )
 _LEGACY_GB = {"--host-ram-gb": "host_ram_gib", "--device-mem-gb": "device_mem_gib", "--device-used-gb": "device_used_gib"}
 
@@ -427,6 +448,13 @@ def _from_config(cfg: dict) -> dict:
         out["compression_block"] = block["compression_block"]
     if isinstance(block.get("diloco"), dict) and block["diloco"].get("enabled", True):
         out["diloco"] = dict(block["diloco"])
+    layered = block.get("layered")
+    chunks = layered.get("chunks") if isinstance(layered, dict) else layered
+    if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+        out["layered_chunks"] = chunks
+    micro = cfg.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, int) and not isinstance(micro, bool) and micro >= 1:
+        out["batch"] = micro * out.get("grad_accum", 1)
     return out
 
 
