@@ -8,7 +8,9 @@ memory FCDP's communicator warm-up takes; (b) a fake world of 4 (2 nodes x 2) th
 FCDP host/device/auto vs ZeRO-3 peak memory, synchronizations and synchronous copies per step, H2D/compute
 overlap; (d) the same under TORCH_CUDA_SANITIZER=1 (stream races); (e) pinning time and pinned bytes vs the
 cgroup, H2D GB/s with every local GPU copying at once; (f) the inter-node codec on the device (deterministic,
-within its error, time per call). 4 or more GPUs also: (c) real NCCL, 2 emulated nodes:
+within its error, time per call); (g) DiLoCo (2 workers, H = 30, outer Nesterov) against data parallelism at the same
+tokens on a ~11M-parameter byte-level model of the standard library's source, plain PyTorch: the gap against the
+scaling-law anchor. 4 or more GPUs also: (c) real NCCL, 2 emulated nodes:
 losses vs ZeRO-3, step times vs ZeRO-3 and ZeRO++ hpZ, the two-stage gather's stage timeline.
 Exits 0 when every check passes, 1 when one fails, 2 when there is no GPU. See docs/gpu.md.
 """

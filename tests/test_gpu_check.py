@@ -39,7 +39,8 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run-cpu" and report["passed"] is True
-    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec"}
+    assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec",
+                                    "g_diloco_anchor"}
     for case in report["cases"].values():
         assert set(case) == {"case", "checks", "numbers", "error", "passed"} and case["error"] is None
         assert all(set(c) == {"name", "passed", "detail"} for c in case["checks"])
@@ -79,7 +80,10 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert set(f["numbers"]["shapes"]) == {"int8", "int4", "int4_rotated"} and f["numbers"]["cpu_kernel"] is True
     assert all(c["passed"] is True for c in f["checks"]) and len(f["checks"]) == 9  # the fused kernel vs the torch ops
     assert all(r["same_bytes_as_cpu"] and r["same_bits_as_cpu"] for r in f["numbers"]["shapes"].values())
-    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec"):
+    g = report["cases"]["g_diloco_anchor"]  # DiLoCo against data parallelism at the same tokens, tiny and dry
+    assert g["numbers"]["replicas_equal"] is True and g["numbers"]["steps"] % g["numbers"]["spec"]["sync_every"] == 0
+    assert {"dp_heldout", "diloco_heldout", "gap", "tokens_per_param", "corpus_sha256"} <= set(g["numbers"])
+    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec", "g_diloco_anchor"):
         assert f"{name}: PASS" in proc.stdout
 
 

@@ -19,6 +19,10 @@ Each case runs in its own process (:func:`~fcdp_lab.harness.launch.run_local`) a
   GB/s, pinned and pageable, with every local GPU's rank copying at once.
 - ``f_codec``: the inter-node codec's torch ops on the device: deterministic, within its error, the same bytes and
   bits as the CPU's or not, device and host-issue time per call at bucket-sized rows (``fcdp_lab/gpu/codec.py``).
+- ``g_diloco_anchor``: DiLoCo (2 workers, H = 30, outer Nesterov 0.9, lr 0.7) against data parallelism at the same
+  tokens, plain PyTorch, a ~11M-parameter byte-level model on the standard library's source, as many tokens per
+  parameter (up to the anchor's 20) as its deadline fits: the gap against the scaling-law anchor
+  (``fcdp_lab/gpu/diloco_anchor.py``).
 (a) also warms up two communicators as FCDP does at attach and reports the memory each took.
 
 ``dry_run=True`` runs (a) on gloo and (b) on the CPU accelerator: the logic, not the device.
@@ -43,6 +47,7 @@ FAKE_PG = "fcdp_lab.gpu.fake_pg"
 SANITIZER = "fcdp_lab.gpu.sanitizer"
 MEMORY = "fcdp_lab.gpu.memory"
 CODEC = "fcdp_lab.gpu.codec"
+ANCHOR = "fcdp_lab.gpu.diloco_anchor"
 
 
 def _in_process(target: str, world: int, kwargs: dict, timeout: float, accelerator: str, env: dict = None) -> list:
@@ -67,7 +72,10 @@ def _case(name: str, fn: Callable[[], CaseResult]) -> CaseResult:
 
 #: Per-case deadlines on one GPU (seconds): a, b, d, e (pinning + copies), f; at most 395 s in all (b: 66 s measured
 #: on the H200 with 6 variants, 8 now).
-DEADLINES = {"a_grad_flush": 45, "b_fake_pg": 160, "d_sanitizer": 100, "e_pin": 30, "e_h2d": 30, "f_codec": 30}
+DEADLINES = {"a_grad_flush": 45, "b_fake_pg": 160, "d_sanitizer": 100, "e_pin": 30, "e_h2d": 30, "f_codec": 30,
+             "g_diloco_anchor": 240}
+#: Seconds of case g's deadline its training may use (the rest: start-up, the corpus, the two evaluations).
+ANCHOR_MARGIN_S = 40
 
 
 def _host_memory(dry_run: bool, gpus: int, accel: str, slow: int) -> CaseResult:
@@ -100,6 +108,9 @@ def run(dry_run: bool, gpus: int, hidden: int, layers: int, steps: int, only: st
         ("e_host_memory", lambda: _host_memory(dry_run, gpus, accel, slow)),
         ("f_codec", lambda: codec_case(_in_process(f"{CODEC}:codec_rank", 1, dict(
             dry_run=dry_run, numel=2**16 if dry_run else 2**22), DEADLINES["f_codec"] * slow, accel)[0], dry_run)),
+        ("g_diloco_anchor", lambda: _in_process(f"{ANCHOR}:anchor_rank", 1, dict(
+            dry_run=dry_run, budget_s=DEADLINES["g_diloco_anchor"] - ANCHOR_MARGIN_S), DEADLINES["g_diloco_anchor"] * slow,
+            accel)[0]),
     ]
     cases = [_case(name, fn) for name, fn in plan if wanted(name)]
     if not dry_run and gpus >= 4 and wanted("c"):
