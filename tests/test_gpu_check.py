@@ -40,7 +40,7 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["mode"] == "dry-run-cpu" and report["passed"] is True
     assert set(report["cases"]) == {"a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec",
-                                    "g_diloco_anchor"}
+                                    "g_diloco_anchor", "h_one_gpu_ranks"}
     for case in report["cases"].values():
         assert set(case) == {"case", "checks", "numbers", "error", "passed"} and case["error"] is None
         assert all(set(c) == {"name", "passed", "detail"} for c in case["checks"])
@@ -83,7 +83,11 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     g = report["cases"]["g_diloco_anchor"]  # DiLoCo against data parallelism at the same tokens, tiny and dry
     assert g["numbers"]["replicas_equal"] is True and g["numbers"]["steps"] % g["numbers"]["spec"]["sync_every"] == 0
     assert {"dp_heldout", "diloco_heldout", "gap", "tokens_per_param", "corpus_sha256"} <= set(g["numbers"])
-    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec", "g_diloco_anchor"):
+    h = report["cases"]["h_one_gpu_ranks"]  # four ranks, every collective staged through host copies (dry)
+    assert h["numbers"]["world"] == 4 and set(h["numbers"]["staged"]) == set(h["numbers"]["native"])
+    assert all(c["passed"] is True for c in h["checks"]) and len(h["checks"]) == 1 + 5 * 4 + 3
+    for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec", "g_diloco_anchor",
+                 "h_one_gpu_ranks"):
         assert f"{name}: PASS" in proc.stdout
 
 
