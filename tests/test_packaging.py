@@ -67,7 +67,8 @@ def test_sdist_and_wheel_hold_what_they_need(dists):
     assert f"fcdp_deepspeed-{__version__}.dist-info/licenses/LICENSE" in files
     assert "fcdp_deepspeed/tools/doctor.py" in files and not any(f.startswith("tests/") for f in files)
     # The wheel holds the plugin, not the lab: no harness, bench, fuzz, reliability, GPU-check, convergence or
-    # strict-model module, no broken variant, and at most 14k lines of Python.
+    # strict-model module, no broken variant, and at most 15k lines of Python (14k before layered accumulation, whose
+    # package, config block and planner rows are about 500).
     lab = [f for f in files if f.startswith("fcdp_lab/") or any(
         part in f for part in ("/harness/", "/bench/", "/fuzz/", "/reliability/", "/gpu/", "/converge/", "strict_"))]
     assert not lab, lab
@@ -75,7 +76,7 @@ def test_sdist_and_wheel_hold_what_they_need(dists):
         texts = {f: z.read(f).decode(errors="replace") for f in files if f.endswith((".py", ".c", ".json", ".pth"))}
     assert not [f for f, text in texts.items() if "FCDP_BREAK" in text], "a broken variant ships in the wheel"
     lines = sum(text.count("\n") for f, text in texts.items() if f.endswith(".py"))
-    assert lines <= 14_000, lines
+    assert lines <= 15_000, lines
     assert "fcdp_deepspeed/activation/deepspeed_releases.json" in files and "fcdp_deepspeed/activation/deepspeed_releases.json" in names
     shipped = {f.split("/", 2)[2] for f in files if f.startswith("fcdp_deepspeed/shipped/")}
     assert shipped == {f"{d}/{p.name}" for d, suffix in (("configs", ".json"), ("examples", ".py"))

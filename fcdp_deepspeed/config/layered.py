@@ -7,6 +7,7 @@ moves the accumulation count into the batch (the refusal below names the numbers
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Mapping, Optional
 
 from pydantic import BeforeValidator, Field, ValidationError
@@ -15,6 +16,20 @@ from fcdp_deepspeed.config.errors import FCDP_KEY, did_you_mean
 from fcdp_deepspeed.config.model import StrictConfigModel
 
 KEY = f"{FCDP_KEY}.layered"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20,
+          "GiB": 2**30, "TiB": 2**40}
+
+
+def _size(value: Any) -> Any:
+    """A size string ("2GiB", "500MB") as whole bytes; ``"none"``/``None``: no budget; anything else to the check."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("none", "unlimited"):
+            return None
+        m = _SIZE.match(value)
+        if m:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    return value
 
 
 class LayeredConfig(StrictConfigModel):
@@ -25,11 +40,17 @@ class LayeredConfig(StrictConfigModel):
     layers: str = "auto"
     """The module list whose entries are the layers: ``auto`` (a Hugging Face model's decoder layers, else the
     longest ``nn.ModuleList`` / ``nn.Sequential`` of one class), or its dotted name such as ``"model.layers"``."""
+    boundary_budget: Annotated[Optional[int], BeforeValidator(_size)] = Field(None, ge=0)
+    """Bytes of a batch's layer boundaries kept on the accelerator; the layers past it keep theirs in pinned host
+    memory until the backward ([Note: host boundaries] in ``layered/boundary.py``). Default: no budget (all on the
+    accelerator); ``0``: every layer's on the host."""
 
 
 _FIXES = {
     "chunks": "a whole number >= 1 (the accumulation count it replaces; 1 turns it off)",
     "layers": "\"auto\" or the dotted name of the model's layer list, such as \"model.layers\"",
+    "boundary_budget": "bytes of layer boundaries kept on the accelerator: a whole number >= 0 or a size such as "
+                       "\"2GiB\" (leave it out for no budget)",
 }
 
 

@@ -24,6 +24,7 @@ layer whole, as written.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from deepspeed.utils import set_z3_leaf_module
 
 from fcdp_deepspeed.config.layered import LayeredConfig
-from fcdp_deepspeed.layered import split
+from fcdp_deepspeed.layered import boundary, split
 from fcdp_deepspeed.layered.layers import find_layers
 
 _ATTACHED = "_fcdp_layered"
@@ -53,6 +54,8 @@ class LayeredCounters:
     """Bytes of the layer inputs the last batch kept for its backward (every layer's, all chunks)."""
     peak_boundary_bytes: int = 0
     """The largest ``boundary_bytes`` of any batch."""
+    host_boundary_bytes: int = 0
+    """Of the last batch's boundaries, the bytes kept in host memory (``boundary_budget``)."""
 
 
 class LayeredStack:
@@ -60,6 +63,7 @@ class LayeredStack:
 
     def __init__(self, model: torch.nn.Module, config: LayeredConfig) -> None:
         self.chunks = config.chunks
+        self.boundary_budget = config.boundary_budget
         self.name, self.layers = find_layers(model, config.layers)
         self.counters = LayeredCounters()
         #: [Note: no key/value cache] a Hugging Face model builds a cache when ``config.use_cache`` is on, in training
@@ -99,18 +103,24 @@ class LayeredStack:
             if not (layer.training and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
             parts = split.split_call(args, kwargs, self.chunks)
+            c = self.counters
             if first:
-                self.counters.batches += 1
-                self._batch_bytes = 0
-            self._batch_bytes += _tensor_bytes(args) + _tensor_bytes(kwargs)
-            self.counters.boundary_bytes = self._batch_bytes
-            self.counters.peak_boundary_bytes = max(self.counters.peak_boundary_bytes, self._batch_bytes)
+                c.batches += 1
+                self._batch_bytes, c.host_boundary_bytes = 0, 0
+            layer_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs)
+            on_host = self.boundary_budget is not None and \
+                self._batch_bytes - c.host_boundary_bytes + layer_bytes > self.boundary_budget
+            self._batch_bytes += layer_bytes
+            c.host_boundary_bytes += _tensor_bytes(args) if on_host else 0  # the positional ones move
+            c.boundary_bytes = self._batch_bytes
+            c.peak_boundary_bytes = max(c.peak_boundary_bytes, self._batch_bytes)
             outputs = []
             self._in_forward = True
             try:
                 for part_args, part_kwargs in parts:
-                    outputs.append(checkpoint(run_chunk, *part_args, use_reentrant=False, **part_kwargs))
-                    self.counters.chunk_calls += 1
+                    with boundary.to_host() if on_host else nullcontext():
+                        outputs.append(checkpoint(run_chunk, *part_args, use_reentrant=False, **part_kwargs))
+                    c.chunk_calls += 1
             finally:
                 self._in_forward = False
             return split.merge(outputs, [split.first_batch_size(a, k) for a, k in parts])
@@ -142,7 +152,8 @@ class LayeredStack:
         c = self.counters
         return {"layered_chunks": self.chunks, "layered_layers": len(self.layers), "layered_list": self.name,
                 "layered_batches": c.batches, "layered_chunk_calls": c.chunk_calls, "layered_recomputes": c.recomputes,
-                "layered_cache_turned_off": self.cache_turned_off, "layered_boundary_bytes": c.boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
+                "layered_cache_turned_off": self.cache_turned_off, "layered_boundary_bytes": c.boundary_bytes,
+                "layered_host_boundary_bytes": c.host_boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
 
 
 def _refuse_reentrant_checkpointing(layer: torch.nn.Module) -> None:

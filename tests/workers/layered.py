@@ -107,7 +107,7 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
 
 def compare(regime: str = "large", chunks: int = 4, micro: int = 2, steps: int = 3, lora: int = 0,
             ckpt: bool = False, fcdp_extra: dict | None = None, ranks_per_node: int = 2, dtype: str = "fp32",
-            zero: dict | None = None, with_whole: bool = True) -> dict:
+            zero: dict | None = None, with_whole: bool = True, layered_extra: dict | None = None) -> dict:
     """ZeRO-3 accumulating ``chunks`` micro-steps, FCDP without layered at GA 1 over the whole window (the
     gathers a window should cost), and FCDP layered in ``chunks`` chunks at GA 1."""
     setup(ranks_per_node)
@@ -115,7 +115,7 @@ def compare(regime: str = "large", chunks: int = 4, micro: int = 2, steps: int =
     common = dict(micro=micro, chunks_of=chunks, steps=steps, regime=regime, lora=lora, ckpt=ckpt, dtype=dtype,
                   zero=zero, check_grads=dtype == "fp32")
     out = {"zero3": run(None, ga=chunks, **common),
-           "layered": run({**fcdp, "layered": chunks}, ga=1, **common)}
+           "layered": run({**fcdp, "layered": {"chunks": chunks, **(layered_extra or {})}}, ga=1, **common)}
     if with_whole:
         out["whole"] = run(fcdp, ga=1, **{**common, "check_grads": False})
     dist.barrier()
