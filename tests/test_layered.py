@@ -74,6 +74,17 @@ def test_a_layer_holding_zero3_leaves_or_reentrant_checkpointing_is_refused_by_n
         model(torch.randn(4, 8))
 
 
+def test_fcdp_doctor_gives_an_accumulating_config_the_rewrite(tmp_path):
+    from fcdp_deepspeed.tools import doctor
+    cfg = tmp_path / "ds.json"
+    cfg.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, '
+                   '"zero_optimization": {"stage": 3}, "fcdp": {"enabled": true, "layered": 4}}')
+    checks, _ = doctor.run(str(cfg), 2, 2)
+    fails = [c for c in checks if c.status == "FAIL"]
+    assert len(fails) == 1 and "fcdp.layered.chunks = 4 with gradient_accumulation_steps = 4" in fails[0].message
+    assert "train_micro_batch_size_per_gpu to 4 x 2 = 8" in fails[0].fix
+
+
 def test_a_config_that_still_accumulates_is_refused_with_the_rewrite():
     assert parse_fcdp_config({"fcdp": {"enabled": True, "layered": 4}}).layered.chunks == 4
     assert parse_fcdp_config({"fcdp": {"enabled": True, "layered": 1}}).layered is None
