@@ -24,6 +24,7 @@ layer whole, as written.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -106,12 +107,14 @@ class LayeredStack:
             c = self.counters
             if first:
                 c.batches += 1
-                self._batch_bytes, c.host_boundary_bytes = 0, 0
-            layer_bytes = _tensor_bytes(args) + _tensor_bytes(kwargs)
+                self._batch_bytes, c.host_boundary_bytes, self._seen = 0, 0, {}
+            # each tensor counted once per batch (a mask or rotary table every layer receives, once)
+            layer_bytes = _tensor_bytes((args, kwargs), self._seen)
             on_host = self.boundary_budget is not None and \
                 self._batch_bytes - c.host_boundary_bytes + layer_bytes > self.boundary_budget
             self._batch_bytes += layer_bytes
-            c.host_boundary_bytes += _tensor_bytes(args) if on_host else 0  # the positional ones move
+            if on_host:  # what the hooks pack: each chunk's positional tensors (a shared one once per chunk)
+                c.host_boundary_bytes += sum(_tensor_bytes(a) for a, _ in parts)
             c.boundary_bytes = self._batch_bytes
             c.peak_boundary_bytes = max(c.peak_boundary_bytes, self._batch_bytes)
             outputs = []
@@ -129,6 +132,7 @@ class LayeredStack:
         return layered_forward
 
     _in_forward = False
+    _seen: dict = {}
 
     def keep_parameter_gradients(self) -> None:
         """After DeepSpeed registered its module hooks: the layers' parameters keep the per-parameter gradient hook.
@@ -174,13 +178,19 @@ def _nested_leaves(layer: torch.nn.Module) -> list[str]:
     return [name for name, sub in layer.named_modules() if name and getattr(sub, "_z3_leaf", False)]
 
 
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of the distinct tensors in ``value`` (shared ones, such as a rotary table, once per call)."""
-    seen: dict[int, int] = {}
+def _tensor_bytes(value: Any, seen: dict | None = None) -> int:
+    """Bytes of the distinct tensors in ``value`` not in ``seen`` (which they join; default: a fresh one). ``seen``
+    maps ``id`` to a weak reference, so a tensor freed meanwhile (a boundary moved to the host) cannot pass its
+    ``id`` on to a new one."""
+    seen = {} if seen is None else seen
+    total = [0]
 
     def walk(v: Any) -> None:
         if isinstance(v, torch.Tensor):
-            seen.setdefault(id(v), v.numel() * v.element_size())
+            ref = seen.get(id(v))
+            if ref is None or ref() is not v:
+                seen[id(v)] = weakref.ref(v)
+                total[0] += v.numel() * v.element_size()
         elif isinstance(v, (tuple, list)):
             for x in v:
                 walk(x)
@@ -188,7 +198,7 @@ def _tensor_bytes(value: Any) -> int:
             for x in v.values():
                 walk(x)
     walk(value)
-    return sum(seen.values())
+    return total[0]
 
 
 def attach(model: torch.nn.Module, config: LayeredConfig | None) -> LayeredStack | None:

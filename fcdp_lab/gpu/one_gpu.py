@@ -17,6 +17,7 @@ exercises the staging logic too. Not here: the CUDA sanitizer (case d runs it on
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import tempfile
@@ -48,7 +49,9 @@ def one_gpu_rank(hidden: int, layers: int, steps: int, dry_run: bool = False, ck
     from fcdp_lab.harness import toy
 
     if not dry_run:
-        get_accelerator().set_device(0)  # every rank on the one GPU
+        # every rank on the one GPU: DeepSpeed's engine and zero.Init read LOCAL_RANK for their device
+        os.environ["LOCAL_RANK"] = "0"
+        get_accelerator().set_device(0)
     tdist.init_process_group("gloo")
     world = tdist.get_world_size()
     device = torch.device("cpu" if dry_run else "cuda:0")
@@ -75,7 +78,9 @@ def one_gpu_rank(hidden: int, layers: int, steps: int, dry_run: bool = False, ck
         if name == "flat":
             rec["checkpoint"] = _round_trip(engine, hidden, layers, block, ckpt_root)
         out["runs"][name] = rec
-        del engine
+        del engine, run
+        gc.collect()  # four processes share the GPU: free each engine's buckets before the next
+        get_accelerator().empty_cache()
     dist.barrier()
     return out
 

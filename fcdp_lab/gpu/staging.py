@@ -22,6 +22,7 @@ staging logic itself.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -69,11 +70,19 @@ def _swap(value: Any, copies: dict) -> Any:
 def staged(original: Callable, force: bool = False) -> Callable:
     """``original`` with every CUDA tensor argument (every tensor with ``force``) staged through host memory."""
     output_key = OUTPUT[original.__name__]
+    signature = inspect.signature(original)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         tensors = [t for t in _tensors(list(args) + list(kwargs.values())) if force or t.is_cuda]
         if not tensors:
             return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)  # async_op and the output by name, however they were passed
+        args, kwargs = (), dict(bound.arguments)
+        from torch.distributed import distributed_c10d
+        if kwargs.get("group", None) in getattr(distributed_c10d._world, "pg_coalesce_state", {}) or \
+                (kwargs.get("group") is None and distributed_c10d._world.pg_coalesce_state):
+            raise RuntimeError(f"gpu check staging: {original.__name__} inside a coalescing manager would only be "
+                               f"queued on the host copies; nothing in DeepSpeed 0.19.8's ZeRO-3 path does that")
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
         copies = {}
@@ -84,7 +93,7 @@ def staged(original: Callable, force: bool = False) -> Callable:
                 copies[id(t)] = host
         asked_async = bool(kwargs.pop("async_op", False))
         result = original(*_swap(args, copies), **{k: _swap(v, copies) for k, v in kwargs.items()}, async_op=False)
-        for t in _tensors(args[0] if args else kwargs.get(output_key)):
+        for t in _tensors(kwargs.get(output_key)):
             if id(t) in copies:
                 t.copy_(copies[id(t)])
         if any(t.is_cuda for t in tensors):
