@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from fcdp_deepspeed.config.ds_compat import offload_device
-from fcdp_deepspeed.config.errors import FCDP_KEY, did_you_mean
+from fcdp_deepspeed.config.errors import FCDP_KEY, sub_block_error
 from fcdp_deepspeed.config.model import StrictConfigModel
 
 KEY = f"{FCDP_KEY}.diloco"
@@ -110,17 +110,7 @@ def parse_diloco(value: Any) -> DiLoCoConfig | None:
     try:
         parsed = DiLoCoConfig(**dict(value))
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = first.get("loc") or ()
-        key = str(loc[0]) if loc else ""
-        msg = str(first.get("msg", "")).removeprefix("Value error, ")
-        if msg.startswith(KEY):
-            raise ValueError(msg) from None
-        if first.get("type") == "extra_forbidden":
-            raise ValueError(f"{KEY}.{key}: unknown key{did_you_mean(key, _FIXES)}. Fix: use one of "
-                             f"{', '.join(sorted(_FIXES))}.") from None
-        raise ValueError(f"{KEY}.{key} = {first.get('input')!r}: expected {_FIXES.get(key, msg)}. Fix: set {KEY}.{key} "
-                         f"to {_FIXES.get(key, 'a valid value')}, or leave it out for the default.") from None
+        raise sub_block_error(KEY, err.errors()[0], _FIXES) from None
     return parsed if parsed.enabled else None
 
 

@@ -28,6 +28,22 @@ class FCDPConfigError(ValueError):
         self.problems = tuple(problems) or (message,)
 
 
+def sub_block_error(block_key: str, first: Mapping[str, Any], fixes: Mapping[str, str]) -> ValueError:
+    """The error of a sub-block's (``fcdp.diloco``, ``fcdp.layered``) first pydantic error ``first``, naming
+    ``block_key.<key>`` and the fix (``fixes``: key -> what it takes); a message of the block's own validators, which
+    already starts with ``block_key``, passes through."""
+    loc = first.get("loc") or ()
+    key = str(loc[0]) if loc else ""
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    if msg.startswith(block_key):
+        return ValueError(msg)
+    if first.get("type") == "extra_forbidden":
+        return ValueError(f"{block_key}.{key}: unknown key{did_you_mean(key, fixes)}. Fix: use one of "
+                          f"{', '.join(sorted(fixes))}.")
+    return ValueError(f"{block_key}.{key} = {first.get('input')!r}: expected {fixes.get(key, msg)}. Fix: set "
+                      f"{block_key}.{key} to {fixes.get(key, 'a valid value')}, or leave it out for the default.")
+
+
 def did_you_mean(word: Any, candidates: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the nearest of ``candidates``, or ``""``."""
     if not isinstance(word, str) or not word.strip():

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Mapping, Optional
 
 from pydantic import BeforeValidator, Field, ValidationError
 
-from fcdp_deepspeed.config.errors import FCDP_KEY, did_you_mean
+from fcdp_deepspeed.config.errors import FCDP_KEY, sub_block_error
 from fcdp_deepspeed.config.model import StrictConfigModel
 
 KEY = f"{FCDP_KEY}.layered"
@@ -68,13 +68,7 @@ def parse_layered(value: Any) -> Optional[LayeredConfig]:
     try:
         parsed = LayeredConfig(**dict(value))
     except ValidationError as err:
-        first = err.errors()[0]
-        key = str((first.get("loc") or ("",))[0])
-        if first.get("type") == "extra_forbidden":
-            raise ValueError(f"{KEY}.{key}: unknown key{did_you_mean(key, _FIXES)}. Fix: use one of "
-                             f"{', '.join(sorted(_FIXES))}.") from None
-        raise ValueError(f"{KEY}.{key} = {first.get('input')!r}: expected {_FIXES.get(key, 'a valid value')}. Fix: set "
-                         f"{KEY}.{key} to {_FIXES.get(key, 'a valid value')}, or leave it out.") from None
+        raise sub_block_error(KEY, err.errors()[0], _FIXES) from None
     return parsed if parsed.chunks > 1 else None
 
 

@@ -73,6 +73,10 @@ class LayeredStack:
         if self.cache_turned_off:
             model.config.use_cache = False
         self._batch_bytes = 0
+        #: The tensors counted in this batch's boundary bytes (id -> weak reference), reset at the first layer.
+        self._seen: dict = {}
+        #: Inside the chunk loop's forward (a chunk call outside it, with gradients, is a recomputation).
+        self._in_forward = False
         for index, layer in enumerate(self.layers):
             if getattr(layer, _ATTACHED, None) is not None:
                 continue  # a second engine over the same model: the layer is layered already (by the first stack)
@@ -130,9 +134,6 @@ class LayeredStack:
 
         layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return layered_forward
-
-    _in_forward = False
-    _seen: dict = {}
 
     def keep_parameter_gradients(self) -> None:
         """After DeepSpeed registered its module hooks: the layers' parameters keep the per-parameter gradient hook.
