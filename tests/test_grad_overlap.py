@@ -7,8 +7,9 @@ one bucket, each stage waited for where it is issued) under node and per-rank ac
 gradient in the boundary micro-step (the flush) and with reentrant checkpointing (several epilogues per backward);
 ``grad_reduce: flat`` keeps DeepSpeed's buckets and stays bit-identical to ZeRO-3. The window's first bucket leaves
 early and issues its stage 2 at once (grads/reducer.py, engine/grad_steps.py): covered by the same identities. Broken variants
-(``fcdp_lab/sabotage/grads.py``): reading a stage's result before it completed, and a backward's end that does not deliver
-what is in flight, each change the values. The stream-order model's variant is in test_device_discipline.py.
+(``fcdp_lab/sabotage/grads.py``): reading a stage's result before it completed, a backward's end that does not deliver
+what is in flight, and workspace buffers given back at issue ([Note: when a buffer may be reused]), each change the
+values. The stream-order model's variant is in test_device_discipline.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from conftest import run_ranks
 
 SCENARIOS = [
-    dict(name="ga1", steps=3, breaks=("read_early", "no_drain")),
+    dict(name="ga1", steps=3, breaks=("read_early", "no_drain", "workspace_early")),
     # the last block gets no gradient in the boundary micro-step: its window sum goes through the flush
     dict(name="ga4_gated", grad_accum=4, gate={3}, steps=2, modes=("node", "rank", "int8")),
     dict(name="ga2_reentrant", grad_accum=2, reentrant=True, steps=2, modes=("node",)),
@@ -56,6 +57,24 @@ def test_overlapped_stage_is_bit_identical_to_the_synchronous_one(results, name,
         assert sync["stats"]["grad_first_bucket_early"] == 0 == sync["stats"]["grad_stage2_at_once"]
 
 
+@pytest.mark.parametrize("name, mode", EXACT)
+def test_the_stages_buffers_are_a_fixed_workspace(results, name, mode):
+    """[Note: a fixed workspace per stage] (grads/workspace.py): nothing is allocated for the stages after the first
+    window (every later bucket reuses the pools), one packed input and one stage-1 receive buffer at a time ([Note:
+    one packed input]), and at most ``grad_inflight_buckets`` + 1 stage-2 pairs."""
+    for r in results:
+        for kind, depth in (("overlap", 2), ("sync", 0)):  # workers/grad_overlap.py: OVERLAP, SYNC
+            steps = r[name][f"{mode}_{kind}"]["workspace"]
+            assert len(steps) >= 2 and steps[0]["grad_workspace_allocations"] > 0
+            assert steps[-1]["grad_workspace_allocations"] == steps[0]["grad_workspace_allocations"], steps
+            assert steps[-1]["grad_workspace_bytes"] == steps[0]["grad_workspace_bytes"], steps
+            peak = steps[-1]["grad_workspace_peak_leases"]
+            assert peak["pack"] == 1 and peak["node_recv"] == 1, peak
+            assert 1 <= peak["peer_send"] == peak["peer_recv"] <= depth + 1, peak
+            if kind == "overlap":
+                assert peak["peer_send"] >= 2, peak  # stages were in flight behind later buckets
+
+
 def test_compressed_stage_overlaps_and_stays_close(results):
     """int8 encodes at issue and decodes at completion; its blocks follow the buckets, so values differ within the
     codec's error (replicas stay equal: tests/test_compress_grads.py)."""
@@ -67,7 +86,7 @@ def test_compressed_stage_overlaps_and_stays_close(results):
             (overlap["losses"], sync["losses"])
 
 
-@pytest.mark.parametrize("broken", ["read_early", "no_drain"])
+@pytest.mark.parametrize("broken", ["read_early", "no_drain", "workspace_early"])
 def test_broken_variants_change_the_values(results, broken):
     assert any(r["ga1"][f"broken_{broken}"]["losses"] != r["ga1"]["node_overlap"]["losses"] for r in results)
 

@@ -10,7 +10,13 @@ from deepspeed import comm as dist
 import deepspeed.comm.comm as _comm_module
 from fcdp_deepspeed.grads.inflight import Inflight
 from fcdp_deepspeed.grads.layout import ReduceLayout
+from fcdp_deepspeed.grads.workspace import Lease, Role, StageWorkspace
+from fcdp_deepspeed.machine import device
 from fcdp_deepspeed.reporting import timeline
+
+
+class HostMemoryInStage(RuntimeError):
+    """A stage was handed host memory: NCCL cannot send it, and a copy would wait on the host."""
 
 
 class CompressedStage(Protocol):
@@ -43,44 +49,66 @@ class StageCollectives:
         self.use_alltoall = str(backend).lower() == "gloo"
         #: ``fcdp.grad_compression``'s stage 2 (``compressed.py``), set by ``attach_compressor`` when it is on.
         self.compressor: Optional[CompressedStage] = None
+        #: What both stages send and receive ([Note: a fixed workspace per stage] in ``workspace.py``).
+        self.workspace = StageWorkspace()
 
-    def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int) -> torch.Tensor:
+    def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, role: Role) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
-        return self._issue_scatter_sum(inp, group, parts, async_op=False).complete()[0]
+        issued = self._issue_scatter_sum(inp, group, parts, async_op=False, role=role)
+        try:
+            return issued.complete()[0]
+        finally:
+            issued.release()
 
-    def _issue_scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, async_op: bool = True) -> Inflight:
-        """:meth:`_scatter_sum` issued (``async_op``: not waited for; ``inp`` is held until it completes)."""
+    def _issue_scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, async_op: bool = True,
+                           role: Role = Role.PEER_RECV, own_result: bool = True) -> Inflight:
+        """:meth:`_scatter_sum` issued (``async_op``: not waited for; ``inp`` is held until it completes), receiving
+        into a ``role`` buffer of the workspace.
+
+        [Note: what leaves the workspace] The result is a tensor of its own (``own_result``) wherever it leaves the
+        reducer (DeepSpeed's partitions: ``partition_grads`` reads them after the stage's buffers went back) or
+        outlives its stage; only stage 1's node sums may be a view of the workspace (NCCL, the accumulation dtype
+        on the wire): they are consumed, copied into the node buffer or stage 2's input, before their stage's
+        buffers go back (``GradReducer.advance``)."""
         if self.use_alltoall:
-            recv = torch.empty_like(inp)
-            work = dist.all_to_all_single(recv, inp, group=group, async_op=async_op)
+            recv = self.workspace.take(role, inp.numel(), inp.dtype)
+            work = dist.all_to_all_single(recv.tensor, inp, group=group, async_op=async_op)
 
             def total() -> list:
-                rows = recv.view(parts, -1)
+                rows = recv.tensor.view(parts, -1)
                 out = rows[0].to(self.accumulation_dtype, copy=True)
                 for row in rows[1:]:  # fixed order: group-rank order
                     out.add_(row.to(self.accumulation_dtype))
                 return [out]
-            return Inflight([work], total, (inp, recv))
-        out = torch.empty(inp.numel() // parts, dtype=inp.dtype, device=inp.device)
-        work = dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
-        return Inflight([work], lambda: [out.to(self.accumulation_dtype)], (inp, out))
+            return Inflight([work], total, (inp,), (recv,))
+        out = self.workspace.take(role, inp.numel() // parts, inp.dtype)
+        work = dist.reduce_scatter_tensor(out.tensor, inp, group=group, async_op=async_op)
+        return Inflight([work], lambda: [out.tensor.to(self.accumulation_dtype, copy=own_result)], (inp,), (out,))
 
     def node_stage(self, stage1: torch.Tensor) -> torch.Tensor:
         """Stage 1: the packed ``(W, ...)`` input -> the node's ``(N, ...)`` sums of this rank's peers' chunks."""
         with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
-            return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node).view(self.layout.nodes, -1)
+            return self._scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node,
+                                     Role.NODE_RECV).view(self.layout.nodes, -1)
 
-    def issue_node_stage(self, stage1: torch.Tensor) -> Inflight:
-        """:meth:`node_stage` issued, not waited for: its result is ``complete()[0]``, viewed ``(N, ...)``."""
+    def issue_node_stage(self, stage1: Lease) -> Inflight:
+        """:meth:`node_stage` issued, not waited for, holding the packed input ``stage1`` (a workspace buffer) until
+        it completes: its result is ``complete()[0]``, viewed ``(N, ...)``, valid until ``release()``."""
         with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
-            return self._issue_scatter_sum(stage1.view(-1), self.node_group, self.layout.per_node)
+            issued = self._issue_scatter_sum(stage1.tensor.view(-1), self.node_group, self.layout.per_node,
+                                             role=Role.NODE_RECV, own_result=False)
+        issued.leases = (stage1,) + issued.leases
+        return issued
 
     def across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                      window_sums: bool = False) -> list[torch.Tensor]:
         """Stage 2 of the parameters ``ds_ids``, waited for at once: :meth:`issue_across_nodes`, completed."""
         inflight = self.issue_across_nodes(node_sums, comm_dtype, ds_ids, window_sums)
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            return inflight.complete()
+            try:
+                return inflight.complete()
+            finally:
+                inflight.release()
 
     def issue_across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                            window_sums: bool = False) -> Inflight:
@@ -110,13 +138,27 @@ class StageCollectives:
     def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
                    window_sums: bool = False) -> list[torch.Tensor]:
         """:meth:`issue_inter_node`, waited for at once."""
-        return self.issue_inter_node(node_sums, comm_dtype, window_sums).complete()
+        inflight = self.issue_inter_node(node_sums, comm_dtype, window_sums)
+        try:
+            return inflight.complete()
+        finally:
+            inflight.release()
 
     def issue_inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
                          window_sums: bool = False) -> Inflight:
         """Stage 2 for several parameters: each ``(N, P_i)`` node sum -> this rank's ``P_i`` chunk sum, at completion.
         ``window_sums``: some of them hold more than one micro-step ([Note: fp16 window sums])."""
+        if any(device.is_host(t) for t in node_sums):  # e.g. a node-buffer slot not moved for the flush
+            raise HostMemoryInStage("fcdp: stage 2 was handed host memory; its node sums must be on the accelerator "
+                                    "(the node buffer's take() moves them)")
         sizes = [t.shape[1] for t in node_sums]
-        inp = torch.cat(node_sums, dim=1).to(self.wire_dtype(comm_dtype, window_sums)).contiguous()
-        issued = self._issue_scatter_sum(inp.view(-1), self.peer_group, self.layout.nodes)
-        return Inflight(issued.works, lambda: list(issued.finish()[0].split(sizes)), issued.buffers)
+        send = self.workspace.take(Role.PEER_SEND, self.layout.nodes * sum(sizes),
+                                   self.wire_dtype(comm_dtype, window_sums))
+        columns = send.tensor.view(self.layout.nodes, -1)
+        offset = 0
+        for t, size in zip(node_sums, sizes):  # torch.cat into the workspace, cast to the wire dtype on the way
+            columns[:, offset:offset + size].copy_(t)
+            offset += size
+        issued = self._issue_scatter_sum(send.tensor, self.peer_group, self.layout.nodes)
+        return Inflight(issued.works, lambda: list(issued.finish()[0].split(sizes)), issued.buffers,
+                        (send,) + issued.leases)

@@ -6,7 +6,8 @@ Both stages of the hierarchical reduce-scatter (``layout.py``, [Note: the two-st
 asynchronously (``async_op=True``) when the on-gloo path is the default (``fcdp.grad_inflight_buckets`` > 0), and their
 results are taken on later, in issue order:
 
-- stage 1 (inside the node) of bucket k completes at bucket k + 1 (or the backward's end): its node sums go into the
+- stage 1 (inside the node) of bucket k completes when bucket k + 1 is reduced, before it is packed (or at the
+  backward's end; [Note: one packed input] in ``reducer.py``): its node sums go into the
   node buffer (a micro-step before the boundary under node accumulation) or stage 2 is issued at once;
 - stage 2 (across nodes) completes when more than ``grad_inflight_buckets`` are in flight (the oldest, at the next
   bucket: the memory bound, each holds its send and receive buffers, about 3/L of its bucket's elements in fp32) and
@@ -45,21 +46,30 @@ import torch
 
 @dataclass(eq=False)
 class Inflight:
-    """One issued inter-node stage: the works to wait for, the buffers they use (held until then), and ``finish``,
-    which turns the received data into the partitions (after every wait)."""
+    """One issued stage: the works to wait for, the buffers they use (held until then), ``finish``, which turns the
+    received data into the stage's result (after every wait), and the workspace buffers it holds (``leases``: given
+    back by :meth:`release`, once the result was consumed: [Note: when a buffer may be reused] in ``workspace.py``)."""
 
     works: list
     finish: Callable[[], list]
     buffers: tuple = ()
+    leases: tuple = ()
 
     def complete(self) -> list[torch.Tensor]:
-        """Wait for every work, then turn the received data into the partitions; the buffers are let go after."""
+        """Wait for every work, then turn the received data into the result; the buffers are let go after, the
+        workspace's are not (:meth:`release`)."""
         for work in self.works:
             if work is not None:
                 work.wait()
         out = self.finish()
         self.buffers, self.works = (), []
         return out
+
+    def release(self) -> None:
+        """Give the workspace buffers back: after :meth:`complete`, once nothing reads its result any more."""
+        leases, self.leases = self.leases, ()
+        for lease in leases:
+            lease.release()
 
     @staticmethod
     def done(parts: list[torch.Tensor]) -> "Inflight":
@@ -68,14 +78,15 @@ class Inflight:
 
     @staticmethod
     def merged(count: int, pieces: Sequence[tuple[Sequence[int], "Inflight"]]) -> "Inflight":
-        """Several stages for one list of ``count`` parameters: piece ``(indices, inflight)`` covers ``indices``."""
+        """Several stages for one list of ``count`` parameters: piece ``(indices, inflight)`` covers ``indices``;
+        their workspace buffers go back with the merged stage's."""
         def finish() -> list:
             out: list[Optional[torch.Tensor]] = [None] * count
             for indices, inflight in pieces:
                 for i, part in zip(indices, inflight.complete()):
                     out[i] = part
             return out
-        return Inflight([], finish)
+        return Inflight([], finish, leases=tuple(lease for _, inflight in pieces for lease in inflight.leases))
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -84,21 +84,44 @@ def own_chunk_numel(numel: int, world: int, dp_rank: int) -> int:
     return max(0, min(p, numel - dp_rank * p))
 
 
-def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: int) -> torch.Tensor:
+def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: int,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[slot][tensor]`` buffer: slot s holds every tensor's chunk owned by DP rank ``order[s]``,
-    zero-padded to ``chunk_numel``. Returns a (len(order), sum of chunk sizes) tensor."""
+    zero-padded to ``chunk_numel``. Returns a (len(order), sum of chunk sizes) tensor: ``out`` (a buffer of that
+    many elements, e.g. the workspace's) viewed so, or a new one. Written in place, with no temporary the size of
+    a gradient: each tensor's whole chunks land in their slots with one ``index_copy_`` (a permutation: unique
+    indices, deterministic), its last partial chunk and the chunks past its end are written separately."""
     sizes = [chunk_numel(t.numel(), world) for t in tensors]
     ref = tensors[0]
-    out = torch.empty(len(order), sum(sizes), dtype=ref.dtype, device=ref.device)
-    index = order_index(order, ref.device)
+    if out is None:
+        out = torch.empty(len(order), sum(sizes), dtype=ref.dtype, device=ref.device)
+    else:
+        out = out.view(len(order), sum(sizes))
+    slots = order_index(order, ref.device)
+    slot_of = slot_positions(order)
     offset = 0
     for t, p in zip(tensors, sizes):
         flat = t.reshape(-1)
-        if flat.numel() != world * p:
-            flat = torch.cat([flat, flat.new_zeros(world * p - flat.numel())])
-        out[:, offset:offset + p] = flat.view(world, p).index_select(0, index)
+        cols = out[:, offset:offset + p]
+        whole, rest = divmod(flat.numel(), p)
+        if whole:
+            cols.index_copy_(0, slots[:whole], flat[:whole * p].view(whole, p))
+        if rest:
+            cols[slot_of[whole], :rest].copy_(flat[whole * p:])
+            cols[slot_of[whole], rest:].zero_()
+        empty_from = whole + (1 if rest else 0)
+        if empty_from < world:
+            cols.index_fill_(0, slots[empty_from:], 0)
         offset += p
     return out
+
+
+def slot_positions(order: Sequence[int]) -> tuple[int, ...]:
+    """The inverse of ``order``: the slot of the stage-1 input that holds DP rank r's chunk."""
+    slots = [0] * len(order)
+    for s, r in enumerate(order):
+        slots[r] = s
+    return tuple(slots)
 
 
 _ORDER_INDEX: dict[tuple, torch.Tensor] = {}
@@ -106,7 +129,8 @@ _ORDER_INDEX: dict[tuple, torch.Tensor] = {}
 
 def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
     """The permutation of :func:`pack_chunks` as an index tensor on the accelerator (``where``, the gradients'
-    device), built once per (layout, device).
+    device), built once per (layout, device): :func:`slot_positions` of ``order`` (the slot of each DP rank's chunk,
+    what ``index_copy_`` takes).
 
     [Note: cached index] Building it per bucket is a pageable host-to-device copy on the reduce stream,
     which makes the backward thread wait for the previous bucket's reduction; built once (planning or
@@ -115,6 +139,6 @@ def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
     key = (tuple(order), str(where))
     index = _ORDER_INDEX.get(key)
     if index is None:
-        index = _ORDER_INDEX[key] = device.small_to_accel(list(order), torch.long, where)
+        index = _ORDER_INDEX[key] = device.small_to_accel(list(slot_positions(order)), torch.long, where)
     return index
 

@@ -20,6 +20,7 @@ from fcdp_deepspeed.grads.delivery import DeliveryLedger
 from fcdp_deepspeed.grads.inflight import Inflight, InterNodeQueue, Pending
 from fcdp_deepspeed.grads.layout import ReduceLayout, chunk_numel, own_chunk_numel, pack_chunks
 from fcdp_deepspeed.grads.plan import BufferFit
+from fcdp_deepspeed.grads.workspace import Role
 from fcdp_deepspeed.machine.topology import group_ranks
 from fcdp_deepspeed.reporting import timeline
 from fcdp_deepspeed.reporting.stats import EventCounters
@@ -118,18 +119,32 @@ class GradReducer:
         empty tensor for gradients that went into the node buffer instead (see :meth:`split_delivered`), and for
         every one while stages are left in flight (:meth:`advance` and :meth:`complete` take them on: [Note: the
         inter-node stage runs behind the backward] in ``inflight.py``).
+
+        [Note: one packed input] The previous bucket's stage 1 is completed (its node sums into the node buffer or
+        its stage 2 issued) before this bucket is packed, so one packed input is alive at a time and the workspace
+        holds one (``workspace.py``). Completing it here rather than after this bucket's stage 1 is issued costs
+        nothing measurable: stage 1 stays inside the node and was issued a bucket of backward earlier; its stage 2
+        now leaves before this bucket's stage 1 (the two use different groups, so each group's order is unchanged,
+        and so are the values).
         """
         layout, world = self.layout, self.layout.dp_size
         assert len(params) == len(tensors) and all(p.ds_numel == t.numel() for p, t in zip(params, tensors)), \
             "fcdp: bucket parameters and gradients do not line up"
         comm_dtype = tensors[0].dtype
-        stage1 = pack_chunks(tensors, layout.order, world)
+        if self.deferring:  # [Note: one packed input] the previous bucket's stage 1 completes before this one packs
+            self.advance(keep=0)
+        numels = [t.numel() for t in tensors]
+        pack = self.comm.workspace.take(Role.PACK, world * sum(chunk_numel(n, world) for n in numels), comm_dtype)
+        stage1 = pack_chunks(tensors, layout.order, world, out=pack.tensor)
         stage1.div_(world)  # DeepSpeed pre-divides by the DP size in the same dtype
         accumulate = self.node_accumulation and not self.is_boundary()
-        numels = [t.numel() for t in tensors]
         if not self.deferring:  # grad_inflight_buckets 0: both stages complete here
-            return self.after_node_stage(params, numels, self.comm.node_stage(stage1), comm_dtype, accumulate)
-        issued = self.comm.issue_node_stage(stage1)
+            try:
+                node_sum = self.comm.node_stage(stage1)
+            finally:
+                pack.release()
+            return self.after_node_stage(params, numels, node_sum, comm_dtype, accumulate)
+        issued = self.comm.issue_node_stage(pack)
         self.node_stages.add(NodeStage(list(params), numels, issued, accumulate, comm_dtype))
         self.delivery.delivered(())
         return [t.new_empty(0, dtype=self.accumulation_dtype) for t in tensors]
@@ -189,7 +204,10 @@ class GradReducer:
         for entry in self.node_stages.take(keep):
             with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
                 node_sum = entry.inflight.complete()[0].view(self.layout.nodes, -1)
-            self.after_node_stage(entry.params, entry.numels, node_sum, entry.comm_dtype, entry.accumulate)
+            try:  # the node sums may be a view of the workspace: consumed before its buffers go back
+                self.after_node_stage(entry.params, entry.numels, node_sum, entry.comm_dtype, entry.accumulate)
+            finally:
+                entry.inflight.release()
 
     def after_node_stage(self, params: Sequence[torch.nn.Parameter], numels: Sequence[int], node_sum: torch.Tensor,
                          comm_dtype: torch.dtype, accumulate: bool) -> list[Optional[torch.Tensor]]:
@@ -241,6 +259,7 @@ class GradReducer:
         lengths, recorded in the ledger as the next delivery."""
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
             owns = entry.inflight.complete()
+        entry.inflight.release()  # the partitions are tensors of their own ([Note: what leaves the workspace])
         self.delivery.delivered(p.ds_id for p in entry.params)
         self.counters.bump(delivered=len(entry.params))
         return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]
@@ -292,5 +311,6 @@ class GradReducer:
             "grad_inflight_max": self.queue.high_water,
             "grad_first_bucket_early": c.first_early,
             "grad_stage2_at_once": c.at_once,
+            **self.comm.workspace.stats(),
             **(self.comm.compressor.stats() if self.comm.compressor is not None else {}),
         }

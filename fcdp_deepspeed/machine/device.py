@@ -218,6 +218,11 @@ def host_is_accel() -> bool:
     return _DOOR.host_is_accel()
 
 
+def is_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is host memory that is not the accelerator's (never on the CPU accelerator)."""
+    return _DOOR.is_host(t)
+
+
 def is_pinned(t: torch.Tensor) -> bool:
     return _DOOR.is_pinned(t)
 

@@ -5,7 +5,10 @@
 - ``grads.no_drain``: the backward's end (and the step) leave the stages in flight undelivered;
 - ``grads.delay=SECONDS``: a test-only skew, not a broken variant: this process issues every inter-node stage
   ``SECONDS`` late (``grads.delay@2=0.05``: rank 2 only), so that a read before completion shows on gloo;
-- ``grads.reduce_scatter``: both stages take ``reduce_scatter_tensor`` (NCCL's branch) on gloo too.
+- ``grads.reduce_scatter``: both stages take ``reduce_scatter_tensor`` (NCCL's branch) on gloo too;
+- ``grads.workspace_early``: a stage gives its workspace buffers back when it is issued, not after its result was
+  consumed (``StageWorkspace.take``: every lease is released at once), so the next stage writes buffers an
+  in-flight collective still sends from and receives into ([Note: when a buffer may be reused]).
 """
 from __future__ import annotations
 
@@ -64,3 +67,18 @@ def reduce_scatter(_: Optional[str]) -> None:
         original(self, *args, **kwargs)
         self.use_alltoall = False
     replace(StageCollectives, "__init__", __init__)
+
+
+@variant("grads.workspace_early")
+def workspace_early(_: Optional[str]) -> None:
+    from fcdp_deepspeed.grads.workspace import StageWorkspace
+    original = StageWorkspace.take
+
+    def take(self: Any, *args: Any, **kwargs: Any) -> Any:
+        lease = original(self, *args, **kwargs)
+        raw = lease._raw
+        lease.release()  # given back at once: the next take may hand out the same buffer
+        lease._raw = None
+        assert raw is not None
+        return lease
+    replace(StageWorkspace, "take", take)

@@ -68,7 +68,8 @@ def sabotage(kind: str) -> None:
 
         ReferenceStore.write_many = write_many
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
-        grads.layout.order_index = lambda order, where: torch.tensor(list(order), dtype=torch.long, device=where)
+        grads.layout.order_index = lambda order, where: torch.tensor(list(grads.layout.slot_positions(order)),
+                                                                     dtype=torch.long, device=where)
     elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
         from fcdp_deepspeed.grads import residual
         original_to_accel = residual.device.to_accel
@@ -210,6 +211,8 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
         patches.set(strict_streams.FakeStream, "wait_event", _stage1_not_ordered)
     elif kind in ("inter_node_wait", "codec_inter_node_wait"):  # completion reads before waiting for the collective
         patches.enter(lab_sabotage.applied("grads.read_early"))
+    elif kind == "workspace_reuse":  # a stage's workspace buffers given back at issue (grads/workspace.py)
+        patches.enter(lab_sabotage.applied("grads.workspace_early"))
     elif kind == "ahead_ready":  # the gather stream reads a stash without waiting for its stage 1 (staged.py)
         patches.set(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
     elif kind == "ahead_release":  # stashes dropped without asking their copy's event

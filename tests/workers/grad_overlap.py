@@ -46,7 +46,8 @@ def _run(sc: dict, block: dict | None, broken: str = "") -> dict:
         engine = grad_workers.build(sc, grad_workers._config(sc, full))
         res = grad_workers.train(engine, sc)
     weights = {n: p.ds_tensor.detach().clone() for n, p in engine.module.named_parameters()}
-    return {"losses": res.losses, "weights": weights, "stats": res.stats,
+    workspace = [{k: v for k, v in step.items() if k.startswith("grad_workspace")} for step in res.step_stats]
+    return {"losses": res.losses, "weights": weights, "stats": res.stats, "workspace": workspace,
             "bucket": int(engine.optimizer.reduce_bucket_size)}
 
 

@@ -409,9 +409,9 @@ def forced_reduce_scatter(scenarios: list[dict], bf16_scenarios: list[dict], ran
     branches = {"reduce_scatter_tensor": 0, "all_to_all": 0}
     original = StageCollectives._issue_scatter_sum
 
-    def counted(self, inp, group, parts, async_op=True):
+    def counted(self, inp, group, parts, *args, **kwargs):
         branches["all_to_all" if self.use_alltoall else "reduce_scatter_tensor"] += 1
-        return original(self, inp, group, parts, async_op)
+        return original(self, inp, group, parts, *args, **kwargs)
 
     StageCollectives._issue_scatter_sum = counted
     try:
