@@ -5,14 +5,14 @@
 # Installs the offline wheelhouse built by scripts/gpu_bundle.sh into /tmp/site (no network, no index), puts it
 # on PYTHONPATH, runs scripts/gpu_check.py within a time budget, and writes into OUTDIR: gpu_check.json, the
 # check's log, the environment it saw (env.txt) and the install log. At most 8 minutes in all (the check's own
-# case deadlines sum to under 5; FCDP_GPU_BUDGET_S caps the whole check, default 420 s).
+# case deadlines sum to under 7; FCDP_GPU_BUDGET_S caps the whole check, default 450 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: gpu_run.sh OUTDIR}"
 mkdir -p "$out"
 site=/tmp/site
 py="${FCDP_GPU_PYTHON:-python3}"
-budget="${FCDP_GPU_BUDGET_S:-420}"
+budget="${FCDP_GPU_BUDGET_S:-450}"
 start=$SECONDS
 {
     echo "date: $(date -u +%FT%TZ)"; echo "python: $($py -V 2>&1)"; nvidia-smi -L 2>&1 | head -8

@@ -59,6 +59,9 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert checks["host: cache served hits"] is True and checks["node_host: gradient buffer on the host"] is True
     assert checks["node_host: the gated block's window sums were flushed"] is True
     assert checks["host_ahead: stage 1s issued ahead were used"] is True  # the gloo run-ahead here; NCCL: staged.py
+    for name in ("host", "node_host"):  # issue 51 part 1: the stages' workspace (grads/workspace.py); memory: GPU only
+        assert checks[f"{name}: the gradient stages' workspace allocated nothing after step 1"] is True
+        assert checks[f"{name}: reduce stream reserved at most ZeRO-3's with the same bucket + 1 bucket"] is None
     for name in ("host", "device", "auto", "node_host"):  # full fine-tuning refills every applied step
         run = b["numbers"]["runs"][name]
         assert run["skipped"] == [0, 0, 0] and all(run["fills"]) and len(run["hits"]) == 3, run
@@ -85,7 +88,9 @@ def test_dry_run_cpu_writes_the_report(tmp_path):
     assert {"dp_heldout", "diloco_heldout", "gap", "tokens_per_param", "corpus_sha256"} <= set(g["numbers"])
     h = report["cases"]["h_one_gpu_ranks"]  # four ranks, every collective staged through host copies (dry)
     assert h["numbers"]["world"] == 4 and set(h["numbers"]["staged"]) == set(h["numbers"]["native"])
-    assert all(c["passed"] is True for c in h["checks"]) and len(h["checks"]) == 1 + 5 * 4 + 3
+    sanitizer = [c for c in h["checks"] if "CUDA sanitizer" in c["name"]]  # GPU only: None in the dry run
+    assert len(sanitizer) == 4 and all(c["passed"] is None for c in sanitizer)
+    assert all(c["passed"] is True for c in h["checks"] if c not in sanitizer) and len(h["checks"]) == 1 + 7 * 4 + 3
     for name in ("a_grad_flush", "b_fake_pg", "d_sanitizer", "e_host_memory", "f_codec", "g_diloco_anchor",
                  "h_one_gpu_ranks"):
         assert f"{name}: PASS" in proc.stdout
@@ -138,18 +143,18 @@ def test_gather_timeline_from_ranges_and_kernels():
 
 
 def test_sanitizer_reports_are_attributed_to_fcdp_only_by_its_frames():
-    from fcdp_lab.gpu.sanitizer import _fcdp_frames
+    from fcdp_lab.gpu.sanitizer import fcdp_frames
     report = ('CUDASanitizerErrors: Detected 1 error\n  File "/x/deepspeed/runtime/zero/stage3.py", line 1, in step\n'
               '  File "/x/fcdp_lab/gpu/fake_pg.py", line 2, in train_step\n')
-    assert _fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
-    assert _fcdp_frames(report + '  File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged\n') == [
+    assert fcdp_frames(report) == []  # DeepSpeed's own race (the tool's frames do not count)
+    assert fcdp_frames(report + '  File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged\n') == [
         'File "/x/fcdp_deepspeed/storage/cache.py", line 3, in staged']
 
 
 def test_sanitizer_report_keeps_the_other_access():
     """[Note: both accesses]: the H200's first run kept only "detected 1 errors" and the raising (DeepSpeed's) stack;
     the other stream's access, FCDP's or not, is in each error's own text, and an FCDP frame there fails the check."""
-    from fcdp_lab.gpu.sanitizer import _fcdp_frames, error_text
+    from fcdp_lab.gpu.sanitizer import fcdp_frames, error_text
 
     class Errors(Exception):
         def __init__(self, errors):
@@ -164,7 +169,7 @@ def test_sanitizer_report_keeps_the_other_access():
     except Errors as exc:
         text = error_text(exc)
     assert "detected 1 errors" in text and "Previous access by stream 7" in text
-    assert _fcdp_frames(text) == ['File "/x/fcdp_deepspeed/storage/fill.py", line 9, in fill']
+    assert fcdp_frames(text) == ['File "/x/fcdp_deepspeed/storage/fill.py", line 9, in fill']
 
 
 def test_steady_state_of_skipped_steps_fails_case_b():

@@ -98,7 +98,7 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
     model = gated_model(hidden, layers)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
     out: dict[str, Any] = {"peak_allocated": [], "peak_reserved": [], "seconds": [], "trace": [], "skipped": [],
-                           "fills": [], "hits": []}
+                           "fills": [], "hits": [], "workspace_allocations": []}
     micro, losses = 0, []
     for _ in range(steps):
         acc.reset_peak_memory_stats()
@@ -116,19 +116,20 @@ def measure_variant(fcdp: Optional[dict], hidden: int, layers: int, steps: int, 
         out["trace"].append({**asdict(holder[0]), "overlap_fraction": holder[0].overlap_fraction,
                              "gather_timeline": holder[1]})
     out["losses"] = [float(v) for v in losses]
-    out["reserved_by_stream"] = reserved_by_stream(on_gpu)
+    out["reserved_by_stream"] = reserved_by_stream(on_gpu, getattr(engine.optimizer, "reduce_and_partition_stream", None))
     out["reduce_bucket_size"] = int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
     stats = fcdp_deepspeed.get_stats(engine)
     out["stats"] = {k: stats.get(k) for k in ("cache_hits", "host_pool_bytes", "device_pool_bytes", "pinned_pool_bytes",
                                               "h2d_async_copies", "h2d_async_bytes", "grad_buffer_host_bytes",
                                               "grad_buffer_device_bytes", "grad_flushed", "memory",
                                               "hierarchical_gathers", "param_push_groups", "param_push_used",
-                                              "param_push_cancelled", "param_push_unused")}
+                                              "param_push_cancelled", "param_push_unused", "grad_workspace_bytes",
+                                              "grad_workspace_allocations", "grad_workspace_peak_leases")}
     del engine, model
     return out
 
 
-def reserved_by_stream(on_gpu: bool) -> dict[str, int]:
+def reserved_by_stream(on_gpu: bool, reduce_stream: Any = None) -> dict[str, int]:
     """The caching allocator's segments (reserved bytes) by the stream they belong to, named where the stream is
     the current one or one of FCDP's side streams (``device.side_stream``); a block freed on one stream is reused
     only by allocations on that stream, so memory spread over streams is reserved memory that the others cannot
@@ -138,6 +139,8 @@ def reserved_by_stream(on_gpu: bool) -> dict[str, int]:
         return {}
     from fcdp_deepspeed.machine import device
     names = {torch.cuda.current_stream().cuda_stream: "current"}
+    if reduce_stream is not None and hasattr(reduce_stream, "cuda_stream"):
+        names[reduce_stream.cuda_stream] = "deepspeed:reduce"
     names.update({stream.cuda_stream: f"fcdp:{name}" for name, stream in device.side_streams()})
     out: dict[str, int] = {}
     for seg in torch.cuda.memory_snapshot():
@@ -147,12 +150,14 @@ def reserved_by_stream(on_gpu: bool) -> dict[str, int]:
 
 
 def step_counts(engine) -> dict:
-    """Running totals: DeepSpeed's skipped optimizer steps, FCDP's slot fills (refreshes included) and hits."""
+    """Running totals: DeepSpeed's skipped optimizer steps, FCDP's slot fills (refreshes included) and hits, the
+    gradient stages' workspace buffers allocated."""
     import fcdp_deepspeed
     stats = fcdp_deepspeed.get_stats(engine) or {}
     return {"skipped": int(getattr(engine, "skipped_steps", 0) or 0),
             "fills": int(stats.get("cache_fills") or 0) + int(stats.get("cache_refreshes") or 0),
-            "hits": int(stats.get("cache_hits") or 0)}
+            "hits": int(stats.get("cache_hits") or 0),
+            "workspace_allocations": int(stats.get("grad_workspace_allocations") or 0)}
 
 
 def steady_state_problem(run: dict) -> str:
@@ -288,6 +293,25 @@ def fake_pg_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseRes
             res.check(f"{name}: peak {kind} at most ZeRO-3's (+5%)", at_most(a, b), f"{a} vs {b} bytes {why}", on_gpu)
             res.check(f"{name}: peak {kind} at most ZeRO-3's with the same bucket + 2 buckets", a <= c + 2 * bucket_bytes,
                       f"{a} vs {c} bytes, bucket {bucket_bytes} bytes {why}", on_gpu)
+    # issue 51 part 1: [Note: a fixed workspace per stage] (grads/workspace.py): the reduce stream's reserved memory at
+    # most ZeRO-3's (same bucket) + one bucket; the whole allocator's too, but for FCDP's own streams (the cache's
+    # copies: ZeRO-3 has no such stream), reported
+    for name in ("host", "node_host"):
+        mine, theirs = runs[name]["reserved_by_stream"], zs["reserved_by_stream"]
+        a, c = mine.get("deepspeed:reduce", 0), theirs.get("deepspeed:reduce", 0)
+        res.check(f"{name}: reduce stream reserved at most ZeRO-3's with the same bucket + 1 bucket",
+                  a <= c + bucket_bytes, f"{a} vs {c} bytes, bucket {bucket_bytes} bytes {why}", on_gpu)
+        side = sum(v for k, v in mine.items() if k.startswith("fcdp:"))
+        a, c = max(runs[name]["peak_reserved"]), max(zs["peak_reserved"])
+        res.check(f"{name}: peak reserved but FCDP's side streams at most ZeRO-3's with the same bucket + 1 bucket",
+                  a - side <= c + bucket_bytes, f"{a} - {side} (side streams) vs {c} bytes, bucket {bucket_bytes} "
+                  f"bytes {why}", on_gpu)
+        ws = runs[name]["stats"]
+        later = runs[name]["workspace_allocations"][1:]
+        res.check(f"{name}: the gradient stages' workspace allocated nothing after step 1",
+                  ws.get("grad_workspace_allocations") and not any(later),
+                  f"{ws.get('grad_workspace_bytes')} bytes in {ws.get('grad_workspace_allocations')} buffers, "
+                  f"peak leases {ws.get('grad_workspace_peak_leases')}")
     large, large_z = max(runs["large_host"]["peak_allocated"]), max(zs["peak_allocated"])
     res.check("large-model regime: auto takes a third of DeepSpeed's bucket",
               runs["large_host"]["reduce_bucket_size"] <= max(bucket // AUTO_SHARE_OF_DEEPSPEED, MIN_AUTO_BUCKET),

@@ -26,7 +26,7 @@ import traceback
 from fcdp_lab.gpu.report import CaseResult
 
 
-def _fcdp_frames(text: str) -> list[str]:
+def fcdp_frames(text: str) -> list[str]:
     """Lines of a sanitizer report that name FCDP's core (the tools excluded)."""
     return [line.strip() for line in text.splitlines()
             if "fcdp_deepspeed/" in line and "fcdp_lab/" not in line]
@@ -77,7 +77,7 @@ def sanitizer_case(dry_run: bool, hidden: int, layers: int, steps: int) -> CaseR
               errors.get("zero3", "")[:300])
     for name in (n for n in variants if n != "zero3"):
         text = errors.get(name, "")
-        frames = _fcdp_frames(text)
+        frames = fcdp_frames(text)
         sanitizer = "CUDASanitizerErrors" in text
         res.check(f"{name}: no stream race in FCDP's code (CUDA sanitizer)", not frames,
                   "; ".join(frames[:4]) if frames else (text[:300] or why), on_gpu)
