@@ -38,6 +38,11 @@ SCENARIOS = [
          steps=3, lossy=True, top=TOP),
     # grad_compression: host residuals (copied to the accelerator and back around each exchange), host node buffer,
     # the flush path compressed too
+    # NCCL's reduce-scatter branch (the lab's grads.reduce_scatter): the node sums are a view of the stages' workspace,
+    # read by the host slots' round trip on the node buffer's stream (grads/workspace.py)
+    dict(name="host_full_node_rs_gated", fcdp={"cache_device": "host", **NODE, "grad_bucket_size": 256,
+                                               "grad_inflight_buckets": 2}, grad_accum=2, gate={1}, steps=3, top=TOP,
+         lab="grads.reduce_scatter"),
     dict(name="host_full_node_int8_gated", fcdp={"cache_device": "host", **NODE, "grad_compression": "int8"},
          grad_accum=4, gate={3}, steps=3, rtol=2e-2, weights_rtol=0.1, top=TOP),
     # issue 31: small buckets, two inter-node stages in flight behind the backward (grads/inflight.py), the flush too
@@ -87,6 +92,10 @@ ORDERINGS = {
                         r"not ordered after its write on stream 'collectives\(\d+, \d+\)'"),
     # a workspace buffer is written for the next stage only after the collective that used it completed
     # ([Note: when a buffer may be reused] in grads/workspace.py)
+    # a node sum read by the node buffer's stream (host slot) is rewritten only after that stream's event
+    "workspace_reader": (r"write of door accelerator memory on stream 'collectives\(\d+, \d+\)' at grads/collectives.py:\d+ "
+                         r"_issue_scatter_sum .* is not ordered after its read on stream 'fcdp_grad_buffer' at "
+                         r"grads/buffer.py:\d+ _round_trip"),
     "workspace_reuse": (r"write of door accelerator memory on stream 'ds_reduce_and_partition' at grads/collectives.py:\d+ "
                         r"issue_inter_node .* is not ordered after its read on stream 'collectives\(\d+, \d+\)' at "
                         r"grads/collectives.py:\d+ _issue_scatter_sum"),
@@ -109,9 +118,11 @@ RESIDUAL = ["residual_ready", "residual_value", "codec_inter_node_wait"]
 AHEAD = ["ahead_ready", "ahead_release", "stage1_event"]
 BREAKS = [{"scenario": BY_NAME["host_full_node_gated"],
            "breaks": [k for k in ORDERINGS
-                      if k not in ("deferred_release", "workspace_reuse") and k not in RESIDUAL + AHEAD]},
+                      if k not in ("deferred_release", "workspace_reuse", "workspace_reader")
+                      and k not in RESIDUAL + AHEAD]},
           # stages in flight behind later buckets: the next stage takes the buffers of one still in flight
           {"scenario": BY_NAME["host_full_node_buckets_gated"], "breaks": ["workspace_reuse"]},
+          {"scenario": BY_NAME["host_full_node_rs_gated"], "breaks": ["workspace_reader"]},
           {"scenario": BY_NAME["device_lora_node"], "breaks": ["deferred_release"]},  # the move: end of step 2
           {"scenario": BY_NAME["host_full_node_int8_gated"], "breaks": RESIDUAL},
           {"scenario": BY_NAME["host_full_flat_ahead"], "breaks": ["ahead_ready", "ahead_release"]},

@@ -84,6 +84,7 @@ class GradSteps:
         if self.fcdp_grads is None:
             return
         cap = bucket_cap(setting, sum(p.ds_numel for p in trainable), int(self.reduce_bucket_size))
+        self.fcdp_grads.comm.set_bucket(min(cap, int(self.reduce_bucket_size)))  # the stages' workspace limits
         if cap >= self.reduce_bucket_size:
             return
         self.reduce_bucket_size = cap

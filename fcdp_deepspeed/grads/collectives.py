@@ -52,6 +52,18 @@ class StageCollectives:
         #: What both stages send and receive ([Note: a fixed workspace per stage] in ``workspace.py``).
         self.workspace = StageWorkspace()
 
+    def set_bucket(self, bucket_numel: int) -> None:
+        """The reduce bucket's size in elements (``FCDPStage3._cap_reduce_bucket``): each workspace role's limit, twice
+        what a full bucket asks of it with room for the padding of 64 gradients ([Note: a fixed workspace per
+        stage])."""
+        packed = bucket_numel + 64 * self.layout.dp_size
+        node = packed // self.layout.per_node
+        self.workspace.set_bucket({
+            Role.PACK: 2 * packed,
+            Role.NODE_RECV: 2 * (packed if self.use_alltoall else node),
+            Role.PEER_SEND: 2 * node,
+            Role.PEER_RECV: 2 * (node if self.use_alltoall else node // self.layout.nodes)})
+
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, role: Role) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
         issued = self._issue_scatter_sum(inp, group, parts, async_op=False, role=role)
@@ -67,9 +79,10 @@ class StageCollectives:
 
         [Note: what leaves the workspace] The result is a tensor of its own (``own_result``) wherever it leaves the
         reducer (DeepSpeed's partitions: ``partition_grads`` reads them after the stage's buffers went back) or
-        outlives its stage; only stage 1's node sums may be a view of the workspace (NCCL, the accumulation dtype
-        on the wire): they are consumed, copied into the node buffer or stage 2's input, before their stage's
-        buffers go back (``GradReducer.advance``)."""
+        outlives its stage; only stage 1's node sums may be a view of the workspace (NCCL with the accumulation
+        dtype on the wire): they are consumed (copied into stage 2's input or a device slot of the node buffer on
+        the reduce stream, or read by the node buffer's stream for a host slot) before their stage's buffers go
+        back, with that stream's event (``GradReducer.advance``; [Note: when a buffer may be reused])."""
         if self.use_alltoall:
             recv = self.workspace.take(role, inp.numel(), inp.dtype)
             work = dist.all_to_all_single(recv.tensor, inp, group=group, async_op=async_op)
@@ -154,11 +167,15 @@ class StageCollectives:
         sizes = [t.shape[1] for t in node_sums]
         send = self.workspace.take(Role.PEER_SEND, self.layout.nodes * sum(sizes),
                                    self.wire_dtype(comm_dtype, window_sums))
-        columns = send.tensor.view(self.layout.nodes, -1)
-        offset = 0
-        for t, size in zip(node_sums, sizes):  # torch.cat into the workspace, cast to the wire dtype on the way
-            columns[:, offset:offset + size].copy_(t)
-            offset += size
-        issued = self._issue_scatter_sum(send.tensor, self.peer_group, self.layout.nodes)
+        try:
+            columns = send.tensor.view(self.layout.nodes, -1)
+            offset = 0
+            for t, size in zip(node_sums, sizes):  # torch.cat into the workspace, cast to the wire dtype on the way
+                columns[:, offset:offset + size].copy_(t)
+                offset += size
+            issued = self._issue_scatter_sum(send.tensor, self.peer_group, self.layout.nodes)
+        except BaseException:
+            send.release()
+            raise
         return Inflight(issued.works, lambda: list(issued.finish()[0].split(sizes)), issued.buffers,
                         (send,) + issued.leases)

@@ -65,11 +65,12 @@ class Inflight:
         self.buffers, self.works = (), []
         return out
 
-    def release(self) -> None:
-        """Give the workspace buffers back: after :meth:`complete`, once nothing reads its result any more."""
+    def release(self, after: Any = None) -> None:
+        """Give the workspace buffers back: after :meth:`complete`, once nothing on this stream reads its result any
+        more (``after``: the event of a reader on another stream, ``workspace.Lease.release``)."""
         leases, self.leases = self.leases, ()
         for lease in leases:
-            lease.release()
+            lease.release(after)
 
     @staticmethod
     def done(parts: list[torch.Tensor]) -> "Inflight":

@@ -101,6 +101,8 @@ def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: in
     slot_of = slot_positions(order)
     offset = 0
     for t, p in zip(tensors, sizes):
+        if p == 0:  # an empty gradient has no chunk
+            continue
         flat = t.reshape(-1)
         cols = out[:, offset:offset + p]
         whole, rest = divmod(flat.numel(), p)
@@ -128,9 +130,9 @@ _ORDER_INDEX: dict[tuple, torch.Tensor] = {}
 
 
 def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
-    """The permutation of :func:`pack_chunks` as an index tensor on the accelerator (``where``, the gradients'
-    device), built once per (layout, device): :func:`slot_positions` of ``order`` (the slot of each DP rank's chunk,
-    what ``index_copy_`` takes).
+    """The slot of each DP rank's chunk in :func:`pack_chunks`'s output (:func:`slot_positions` of ``order``, the
+    inverse of the permutation ``order``, what ``index_copy_`` takes), as an index tensor on the accelerator
+    (``where``, the gradients' device), built once per (layout, device).
 
     [Note: cached index] Building it per bucket is a pageable host-to-device copy on the reduce stream,
     which makes the backward thread wait for the previous bucket's reduction; built once (planning or

@@ -135,16 +135,20 @@ class GradReducer:
             self.advance(keep=0)
         numels = [t.numel() for t in tensors]
         pack = self.comm.workspace.take(Role.PACK, world * sum(chunk_numel(n, world) for n in numels), comm_dtype)
-        stage1 = pack_chunks(tensors, layout.order, world, out=pack.tensor)
-        stage1.div_(world)  # DeepSpeed pre-divides by the DP size in the same dtype
         accumulate = self.node_accumulation and not self.is_boundary()
-        if not self.deferring:  # grad_inflight_buckets 0: both stages complete here
-            try:
+        try:
+            stage1 = pack_chunks(tensors, layout.order, world, out=pack.tensor)
+            stage1.div_(world)  # DeepSpeed pre-divides by the DP size in the same dtype
+            if not self.deferring:  # grad_inflight_buckets 0: both stages complete here
                 node_sum = self.comm.node_stage(stage1)
-            finally:
-                pack.release()
+            else:
+                issued = self.comm.issue_node_stage(pack)
+        except BaseException:
+            pack.release()
+            raise
+        if not self.deferring:
+            pack.release()
             return self.after_node_stage(params, numels, node_sum, comm_dtype, accumulate)
-        issued = self.comm.issue_node_stage(pack)
         self.node_stages.add(NodeStage(list(params), numels, issued, accumulate, comm_dtype))
         self.delivery.delivered(())
         return [t.new_empty(0, dtype=self.accumulation_dtype) for t in tensors]
@@ -204,10 +208,11 @@ class GradReducer:
         for entry in self.node_stages.take(keep):
             with timeline.waiting(timeline.Phase.GRAD_NODE_STAGE):
                 node_sum = entry.inflight.complete()[0].view(self.layout.nodes, -1)
-            try:  # the node sums may be a view of the workspace: consumed before its buffers go back
+            try:  # the node sums may be a view of the workspace: consumed before its buffers go back; a host slot
+                # of the node buffer reads them on the buffer's stream ([Note: when a buffer may be reused])
                 self.after_node_stage(entry.params, entry.numels, node_sum, entry.comm_dtype, entry.accumulate)
             finally:
-                entry.inflight.release()
+                entry.inflight.release(after=self.buffer.done)
 
     def after_node_stage(self, params: Sequence[torch.nn.Parameter], numels: Sequence[int], node_sum: torch.Tensor,
                          comm_dtype: torch.dtype, accumulate: bool) -> list[Optional[torch.Tensor]]:
@@ -258,24 +263,28 @@ class GradReducer:
         """Wait for ``entry``'s stage 2 (the host on gloo, the current stream on NCCL); its partitions, in DeepSpeed's
         lengths, recorded in the ledger as the next delivery."""
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            owns = entry.inflight.complete()
-        entry.inflight.release()  # the partitions are tensors of their own ([Note: what leaves the workspace])
+            try:
+                owns = entry.inflight.complete()
+            finally:
+                entry.inflight.release()  # the partitions are tensors of their own ([Note: what leaves the workspace])
         self.delivery.delivered(p.ds_id for p in entry.params)
         self.counters.bump(delivered=len(entry.params))
         return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]
 
     def flush(self, comm_dtype: torch.dtype, bucket_numel: int) -> Iterator[Pending]:
         """Stage 2 for every parameter whose window sum is still in the buffer (no gradient in the
-        boundary micro-step), issued in batches of about ``bucket_numel`` elements in ds_id order; yields each
-        batch's :class:`Pending` (the caller queues or completes it before the next is issued)."""
+        boundary micro-step), issued in batches whose stage-2 input is about a bucket's (``bucket_numel`` / L
+        elements of node sums, as a bucket of ``bucket_numel`` sends: the workspace's pools fit both) in ds_id
+        order; yields each batch's :class:`Pending` (the caller queues or completes it before the next is issued)."""
         pending = sorted(self.buffer.dirty)
         by_id = self.planner.params_by_id
         batch: list[int] = []
         numel = 0
+        per_batch = max(1, bucket_numel // self.layout.per_node)
         for k, ds_id in enumerate(pending):
             batch.append(ds_id)
             numel += self.buffer.offsets[ds_id][1]
-            if numel < bucket_numel and k + 1 < len(pending):
+            if numel < per_batch and k + 1 < len(pending):
                 continue
             # on the accelerator: a host slot handed to the inter-node collective fails on NCCL
             sums = [self.buffer.take(i, (self.layout.nodes, self.buffer.offsets[i][1] // self.layout.nodes))

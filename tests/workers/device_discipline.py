@@ -88,6 +88,11 @@ def sabotage(kind: str) -> None:
 
 
 def _run(sc: dict, fcdp: bool) -> dict:
+    with lab_sabotage.applied(sc.get("lab", "")):  # a lab variant for the whole run (e.g. NCCL's reduce-scatter branch)
+        return _run_scenario(sc, fcdp)
+
+
+def _run_scenario(sc: dict, fcdp: bool) -> dict:
     cpu = time.process_time()
     strict_streams.MODEL.enabled = fcdp and os.environ.get("FCDP_TEST_TRACK", "1") == "1"  # the plain run: sync baseline only
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})} if fcdp else None
@@ -213,6 +218,10 @@ def broken_ordering(kind: str, patches: _Patches) -> None:
         patches.enter(lab_sabotage.applied("grads.read_early"))
     elif kind == "workspace_reuse":  # a stage's workspace buffers given back at issue (grads/workspace.py)
         patches.enter(lab_sabotage.applied("grads.workspace_early"))
+    elif kind == "workspace_reader":  # node sums given back without the node buffer stream's event (host slots)
+        from fcdp_deepspeed.grads.inflight import Inflight
+        release = Inflight.release
+        patches.set(Inflight, "release", lambda self, after=None: release(self))
     elif kind == "ahead_ready":  # the gather stream reads a stash without waiting for its stage 1 (staged.py)
         patches.set(StreamAhead, "stash_ready", staticmethod(lambda staged: None))
     elif kind == "ahead_release":  # stashes dropped without asking their copy's event
@@ -266,6 +275,11 @@ def _optimizer_event_probe(engine, broken: bool) -> list[str]:
 
 def _run_broken(sc: dict, breaks: list[str]) -> dict:
     """One FCDP run of ``sc``: step 1 clean, step i + 2 without ordering ``breaks[i]``; violations per step."""
+    with lab_sabotage.applied(sc.get("lab", "")):
+        return _run_broken_scenario(sc, breaks)
+
+
+def _run_broken_scenario(sc: dict, breaks: list[str]) -> dict:
     model = strict_streams.MODEL
     model.enabled, model.raise_errors = True, False
     block = {"enabled": True, "ranks_per_node": 2, **sc.get("fcdp", {})}
