@@ -74,6 +74,20 @@ def test_a_layer_holding_zero3_leaves_or_reentrant_checkpointing_is_refused_by_n
         model(torch.randn(4, 8))
 
 
+def test_an_input_that_is_not_batch_first_is_refused_by_name():
+    """[Note: batch first] (layered/stack.py): a training input whose first dimension exceeds DeepSpeed's micro-batch
+    is a sequence-first layer (Megatron-DeepSpeed's GPT: ``(S, B, H)``); split there, the values would change."""
+    model = toy.ToyModel(8, 3)
+    LayeredStack(model, LayeredConfig(chunks=2), micro_batch=4)
+    model(torch.randn(4, 8)).sum().backward()  # the micro-batch, or a short last one, runs
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(LayeredCallError, match="Megatron-DeepSpeed's GPT does"):
+        model(torch.randn(16, 8))
+    with torch.no_grad():  # evaluation is not chunked: any first dimension
+        model.eval()
+        model(torch.randn(16, 8))
+
+
 def test_fcdp_doctor_gives_an_accumulating_config_the_rewrite(tmp_path):
     from fcdp_deepspeed.tools import doctor
     cfg = tmp_path / "ds.json"

@@ -284,7 +284,8 @@ class FCDPStage3(DiLoCoSteps, CompressionSteps, GradSteps, CountedStage3):
             problems = layered_problems(fcdp_config.layered, resolved)
             if problems:
                 raise FCDPConfigError(f"fcdp cannot run with this DeepSpeed config: {problems[0]}.")
-            self.fcdp_layered = layered.attach(module, fcdp_config.layered)
+            micro = ds_config.get("train_micro_batch_size_per_gpu")  # where the config states it (HF fills it in)
+            self.fcdp_layered = layered.attach(module, fcdp_config.layered, micro if isinstance(micro, int) else None)
         super().__init__(module, init_optimizer, *args, **self._diloco_kwargs(fcdp_config, kwargs))
         if self.fcdp_layered is not None:
             announce.announce_layered(self.fcdp_layered)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -62,8 +62,11 @@ class LayeredCounters:
 class LayeredStack:
     """A model's layer list run layered: the chunk loop installed as each layer's ``forward``."""
 
-    def __init__(self, model: torch.nn.Module, config: LayeredConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: LayeredConfig, micro_batch: Optional[int] = None) -> None:
         self.chunks = config.chunks
+        #: DeepSpeed's ``train_micro_batch_size_per_gpu`` (``None``: not known): a layer input whose first dimension
+        #: exceeds it is not batch-first ([Note: batch first]).
+        self.micro_batch = micro_batch
         self.boundary_budget = config.boundary_budget
         self.name, self.layers = find_layers(model, config.layers)
         self.counters = LayeredCounters()
@@ -107,6 +110,7 @@ class LayeredStack:
                 _refuse_reentrant_checkpointing(layer)
             if not (layer.training and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
+            self._refuse_sequence_first(split.first_batch_size(args, kwargs))
             parts = split.split_call(args, kwargs, self.chunks)
             c = self.counters
             if first:
@@ -134,6 +138,19 @@ class LayeredStack:
 
         layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
         return layered_forward
+
+    def _refuse_sequence_first(self, batch: int) -> None:
+        """[Note: batch first] The chunks split a layer input's first dimension. Megatron-DeepSpeed's GPT (and other
+        sequence-first stacks) pass hidden states as ``(S, B, H)``: split there, attention would see a part of each
+        sequence and the values would change without an error. A training input's first dimension larger than the
+        micro-batch DeepSpeed was configured with cannot be the batch, so it is refused by name."""
+        if self.micro_batch and batch > self.micro_batch:
+            raise split.LayeredCallError(
+                f"fcdp.layered: a layer of {self.name} got an input whose first dimension is {batch}, more than the "
+                f"{self.micro_batch} examples of a micro-batch (train_micro_batch_size_per_gpu): its layers take the "
+                f"sequence (or another dimension) first, as Megatron-DeepSpeed's GPT does, and layered accumulation "
+                f"splits the first dimension. Fix: remove fcdp.layered for this model, or raise "
+                f"train_micro_batch_size_per_gpu to the batch the model is fed.")
 
     def keep_parameter_gradients(self) -> None:
         """After DeepSpeed registered its module hooks: the layers' parameters keep the per-parameter gradient hook.
@@ -202,6 +219,8 @@ def _tensor_bytes(value: Any, seen: dict | None = None) -> int:
     return total[0]
 
 
-def attach(model: torch.nn.Module, config: LayeredConfig | None) -> LayeredStack | None:
-    """Run ``model``'s layers layered when ``fcdp.layered`` asks for it (before DeepSpeed hooks the model)."""
-    return LayeredStack(model, config) if config is not None else None
+def attach(model: torch.nn.Module, config: LayeredConfig | None, micro_batch: Optional[int] = None
+           ) -> LayeredStack | None:
+    """Run ``model``'s layers layered when ``fcdp.layered`` asks for it (before DeepSpeed hooks the model);
+    ``micro_batch``: DeepSpeed's micro-batch per rank, where known ([Note: batch first])."""
+    return LayeredStack(model, config, micro_batch) if config is not None else None

@@ -216,8 +216,8 @@ def _layered_depth_first(value: Optional[str]) -> None:
     from fcdp_deepspeed.layered.stack import LayeredStack
 
     def make(original_init):
-        def init(self, model, config):
-            original_init(self, model, config)
+        def init(self, model, config, *args, **kwargs):
+            original_init(self, model, config, *args, **kwargs)
             for layer in self.layers:
                 layer.forward = layer.forward.__wrapped__
             whole = model.forward
