@@ -26,7 +26,8 @@ Each case runs in its own process (:func:`~fcdp_lab.harness.launch.run_local`) a
 - ``h_one_gpu_ranks``: four real ranks on one GPU (2 emulated nodes x 2, one CUDA context each) through
   ``deepspeed.initialize`` on gloo with CUDA tensors (natively, or staged through pinned host memory where gloo lacks
   the collective): flat FCDP, the run-ahead on streams and LoRA bit-identical to ZeRO-3, the defaults within 1e-5,
-  int4 and DiLoCo replicas in lockstep, a checkpoint round trip (``fcdp_lab/gpu/one_gpu.py``).
+  int4 and DiLoCo replicas in lockstep, a checkpoint round trip, and last the defaults under the CUDA sanitizer in
+  every rank (``fcdp_lab/gpu/one_gpu.py``).
 (a) also warms up two communicators as FCDP does at attach and reports the memory each took.
 
 ``dry_run=True`` runs (a) on gloo and (b) on the CPU accelerator: the logic, not the device.
