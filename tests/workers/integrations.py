@@ -112,7 +112,7 @@ def _deltas(before: dict, after: dict) -> dict:
                      if k.endswith(("_bytes", "_calls")) and not k.startswith("process_") and isinstance(a[k], int)
                      and k not in ("host_cache_bytes", "device_cache_bytes", "host_pool_bytes", "device_pool_bytes",
                                    "pinned_pool_bytes", "uncached_bytes", "peak_device_memory_bytes", "h2d_async_bytes",
-                                   "host_slot_bytes", "device_slot_bytes")}  # memory, not traffic
+                                   "host_slot_bytes", "device_slot_bytes", "grad_workspace_bytes")}  # memory, not traffic
     b, a = before["policy"], after["policy"]
     out["process"] = {k[len("process_"):]: a[k] - b.get(k, 0) for k in a if k.startswith("process_")}
     out["layout"] = after["policy"]["node_layout_source"]
