@@ -66,11 +66,7 @@ class StageCollectives:
 
     def _scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, role: Role) -> torch.Tensor:
         """Reduce-scatter of ``inp`` (``parts`` equal blocks) over ``group``; result in the accumulation dtype."""
-        issued = self._issue_scatter_sum(inp, group, parts, async_op=False, role=role)
-        try:
-            return issued.complete()[0]
-        finally:
-            issued.release()
+        return self._issue_scatter_sum(inp, group, parts, async_op=False, role=role).result()[0]
 
     def _issue_scatter_sum(self, inp: torch.Tensor, group: Any, parts: int, async_op: bool = True,
                            role: Role = Role.PEER_RECV, own_result: bool = True) -> Inflight:
@@ -118,10 +114,7 @@ class StageCollectives:
         """Stage 2 of the parameters ``ds_ids``, waited for at once: :meth:`issue_across_nodes`, completed."""
         inflight = self.issue_across_nodes(node_sums, comm_dtype, ds_ids, window_sums)
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            try:
-                return inflight.complete()
-            finally:
-                inflight.release()
+            return inflight.result()
 
     def issue_across_nodes(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype, ds_ids: Sequence[int],
                            window_sums: bool = False) -> Inflight:
@@ -151,11 +144,7 @@ class StageCollectives:
     def inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
                    window_sums: bool = False) -> list[torch.Tensor]:
         """:meth:`issue_inter_node`, waited for at once."""
-        inflight = self.issue_inter_node(node_sums, comm_dtype, window_sums)
-        try:
-            return inflight.complete()
-        finally:
-            inflight.release()
+        return self.issue_inter_node(node_sums, comm_dtype, window_sums).result()
 
     def issue_inter_node(self, node_sums: list[torch.Tensor], comm_dtype: torch.dtype,
                          window_sums: bool = False) -> Inflight:

@@ -72,6 +72,14 @@ class Inflight:
         for lease in leases:
             lease.release(after)
 
+    def result(self) -> list[torch.Tensor]:
+        """:meth:`complete`, then :meth:`release`: for a result of tensors of its own ([Note: what leaves the
+        workspace] in ``collectives.py``)."""
+        try:
+            return self.complete()
+        finally:
+            self.release()
+
     @staticmethod
     def done(parts: list[torch.Tensor]) -> "Inflight":
         """An already complete stage (nothing to send)."""

@@ -21,6 +21,7 @@ checkpoints see no difference except the summation order.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: in
     else:
         out = out.view(len(order), sum(sizes))
     slots = order_index(order, ref.device)
-    slot_of = slot_positions(order)
+    slot_of = slot_positions(tuple(order))
     offset = 0
     for t, p in zip(tensors, sizes):
         if p == 0:  # an empty gradient has no chunk
@@ -118,8 +119,10 @@ def pack_chunks(tensors: Sequence[torch.Tensor], order: Sequence[int], world: in
     return out
 
 
-def slot_positions(order: Sequence[int]) -> tuple[int, ...]:
-    """The inverse of ``order``: the slot of the stage-1 input that holds DP rank r's chunk."""
+@functools.lru_cache(maxsize=None)
+def slot_positions(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The inverse of ``order``: the slot of the stage-1 input that holds DP rank r's chunk (computed once per
+    layout: :func:`pack_chunks` asks for it every bucket)."""
     slots = [0] * len(order)
     for s, r in enumerate(order):
         slots[r] = s
@@ -141,6 +144,6 @@ def order_index(order: Sequence[int], where: torch.device) -> torch.Tensor:
     key = (tuple(order), str(where))
     index = _ORDER_INDEX.get(key)
     if index is None:
-        index = _ORDER_INDEX[key] = device.small_to_accel(list(slot_positions(order)), torch.long, where)
+        index = _ORDER_INDEX[key] = device.small_to_accel(list(slot_positions(tuple(order))), torch.long, where)
     return index
 

@@ -263,10 +263,7 @@ class GradReducer:
         """Wait for ``entry``'s stage 2 (the host on gloo, the current stream on NCCL); its partitions, in DeepSpeed's
         lengths, recorded in the ledger as the next delivery."""
         with timeline.waiting(timeline.Phase.GRAD_INTER_NODE):
-            try:
-                owns = entry.inflight.complete()
-            finally:
-                entry.inflight.release()  # the partitions are tensors of their own ([Note: what leaves the workspace])
+            owns = entry.inflight.result()  # the partitions are tensors of their own
         self.delivery.delivered(p.ds_id for p in entry.params)
         self.counters.bump(delivered=len(entry.params))
         return [own.narrow(0, 0, n) for own, n in zip(owns, entry.lengths)]

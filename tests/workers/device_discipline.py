@@ -68,7 +68,7 @@ def sabotage(kind: str) -> None:
 
         ReferenceStore.write_many = write_many
     elif kind == "index_per_bucket":  # the reduction's permutation index built from a list on every bucket
-        grads.layout.order_index = lambda order, where: torch.tensor(list(grads.layout.slot_positions(order)),
+        grads.layout.order_index = lambda order, where: torch.tensor(list(grads.layout.slot_positions(tuple(order))),
                                                                      dtype=torch.long, device=where)
     elif kind == "blocking_residual":  # the host residual read with the host waiting for its copy
         from fcdp_deepspeed.grads import residual
