@@ -252,3 +252,42 @@ def test_boundaries_past_the_budget_wait_in_host_memory_and_come_back_for_the_re
     assert stack.counters.host_boundary_bytes == 2 * 6 * 8 * 4
     for (name, p), q in zip(budgeted.named_parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_second_stack_over_the_same_model_runs_with_its_own_chunks_and_counters():
+    """[Note: the newest stack]: a second engine over the same model layers it with its own chunk count and counters
+    (the chunk loop is installed once; the first stack's counters stop)."""
+    torch.manual_seed(0)
+    model = toy.ToyModel(8, 4)
+    first = LayeredStack(model, LayeredConfig(chunks=2))
+    model(torch.randn(6, 8)).pow(2).mean().backward()
+    second = LayeredStack(model, LayeredConfig(chunks=3))
+    model(torch.randn(6, 8)).pow(2).mean().backward()
+    layers = len(second.layers)
+    assert (first.counters.batches, first.counters.chunk_calls, first.counters.recomputes) == (1, 2 * layers, 2 * layers)
+    assert (second.counters.batches, second.counters.chunk_calls, second.counters.recomputes) == \
+        (1, 3 * layers, 3 * layers)
+    assert all(not hasattr(layer.forward.__wrapped__, "__wrapped__") for layer in second.layers)  # one loop each
+
+
+def test_a_host_boundary_is_dropped_only_after_its_copy_back_ran():
+    """[Note: deferred release] under the stream-order model: every layer's boundaries on the host for two steps,
+    each pinned copy dropped only once its copy back is known done; the broken variant that drops it when the copy
+    is queued fails."""
+    from fcdp_deepspeed.machine import device
+    from fcdp_lab import sabotage
+    from fcdp_lab.strict import strict_device as sd
+    from fcdp_lab.strict import strict_streams as ss
+
+    def two_steps():
+        torch.manual_seed(0)
+        model = toy.ToyModel(8, 4)
+        with device.use(sd.StrictDoor()), ss.tracking():
+            stack = LayeredStack(model, LayeredConfig(chunks=2, boundary_budget=0))
+            for _ in range(2):
+                model(torch.randn(6, 8)).pow(2).mean().backward()
+        return stack
+
+    assert two_steps().counters.host_boundary_bytes == 4 * 6 * 8 * 4  # four layers' inputs
+    with sabotage.applied("layered.boundary_early_drop"), pytest.raises(ss.StreamOrderError, match="dropped"):
+        two_steps()

@@ -81,63 +81,65 @@ class LayeredStack:
         #: Inside the chunk loop's forward (a chunk call outside it, with gradients, is a recomputation).
         self._in_forward = False
         for index, layer in enumerate(self.layers):
-            if getattr(layer, _ATTACHED, None) is not None:
-                continue  # a second engine over the same model: the layer is layered already (by the first stack)
-            nested = _nested_leaves(layer)
-            if nested:
-                # [Note: nested leaves] DeepSpeed marks mixture-of-experts blocks as leaves so that an expert no token
-                # reached still reduces a zero gradient on every rank (its leaf gradient hook); a layered layer would
-                # take those parameters into its own leaf and the per-parameter hooks, where a rank whose expert got
-                # no tokens would skip the reduce its peers run.
-                raise split.LayeredCallError(
-                    f"fcdp.layered: layer {index} of {self.name} ({type(layer).__name__}) contains ZeRO-3 leaf modules "
-                    f"({', '.join(nested[:3])}; mixture-of-experts blocks are leaves by DeepSpeed's default), which "
-                    f"layered accumulation does not run yet. Fix: remove fcdp.layered for this model.")
-            if not getattr(layer, "_z3_leaf", False):
-                set_z3_leaf_module(layer, True)  # before DeepSpeed registers its hooks (see the module docstring)
-                layer._fcdp_layered_leaf = True  # a layer the user made a leaf keeps DeepSpeed's leaf gradients
-            layer.forward = self._chunked(layer, layer.forward, first=index == 0)
+            if getattr(layer, _ATTACHED, None) is None:
+                self._attach(index, layer)
+            # [Note: the newest stack] A layer's chunk loop is installed once and runs for the stack attached last:
+            # a second engine built over the same model counts its own batches with its own chunks and budget.
             setattr(layer, _ATTACHED, self)
 
-    def _chunked(self, layer: torch.nn.Module, forward: Callable[..., Any], first: bool) -> Callable[..., Any]:
-        def run_chunk(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled() and not self._in_forward:
-                self.counters.recomputes += 1  # non-reentrant checkpoint's recomputation, inside the backward
+    def _attach(self, index: int, layer: torch.nn.Module) -> None:
+        nested = _nested_leaves(layer)
+        if nested:
+            # [Note: nested leaves] DeepSpeed marks mixture-of-experts blocks as leaves so that an expert no token
+            # reached still reduces a zero gradient on every rank (its leaf gradient hook); a layered layer would
+            # take those parameters into its own leaf and the per-parameter hooks, where a rank whose expert got
+            # no tokens would skip the reduce its peers run.
+            raise split.LayeredCallError(
+                f"fcdp.layered: layer {index} of {self.name} ({type(layer).__name__}) contains ZeRO-3 leaf modules "
+                f"({', '.join(nested[:3])}; mixture-of-experts blocks are leaves by DeepSpeed's default), which "
+                f"layered accumulation does not run yet. Fix: remove fcdp.layered for this model.")
+        if not getattr(layer, "_z3_leaf", False):
+            set_z3_leaf_module(layer, True)  # before DeepSpeed registers its hooks (see the module docstring)
+            layer._fcdp_layered_leaf = True  # a layer the user made a leaf keeps DeepSpeed's leaf gradients
+        layer.forward = _chunked(layer, layer.forward)
+
+    def run(self, layer: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One call of ``layer`` (its original ``forward``): in chunks when training with gradients."""
+        if layer.training:
+            _refuse_reentrant_checkpointing(layer)
+        if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        self._refuse_sequence_first(split.first_batch_size(args, kwargs))
+        parts = split.split_call(args, kwargs, self.chunks)
+        c = self.counters
+        if layer is self.layers[0]:
+            c.batches += 1
+            self._batch_bytes, c.host_boundary_bytes, self._seen = 0, 0, {}
+        # each tensor counted once per batch (a mask or rotary table every layer receives, once)
+        layer_bytes = _tensor_bytes((args, kwargs), self._seen)
+        on_host = self.boundary_budget is not None and \
+            self._batch_bytes - c.host_boundary_bytes + layer_bytes > self.boundary_budget
+        self._batch_bytes += layer_bytes
+        if on_host:  # what the hooks pack: each chunk's positional tensors (a shared one once per chunk)
+            c.host_boundary_bytes += sum(_tensor_bytes(a) for a, _ in parts)
+        c.boundary_bytes = self._batch_bytes
+        c.peak_boundary_bytes = max(c.peak_boundary_bytes, self._batch_bytes)
 
-        def layered_forward(*args: Any, **kwargs: Any) -> Any:
-            if layer.training:
-                _refuse_reentrant_checkpointing(layer)
-            if not (layer.training and torch.is_grad_enabled()):
-                return forward(*args, **kwargs)
-            self._refuse_sequence_first(split.first_batch_size(args, kwargs))
-            parts = split.split_call(args, kwargs, self.chunks)
-            c = self.counters
-            if first:
-                c.batches += 1
-                self._batch_bytes, c.host_boundary_bytes, self._seen = 0, 0, {}
-            # each tensor counted once per batch (a mask or rotary table every layer receives, once)
-            layer_bytes = _tensor_bytes((args, kwargs), self._seen)
-            on_host = self.boundary_budget is not None and \
-                self._batch_bytes - c.host_boundary_bytes + layer_bytes > self.boundary_budget
-            self._batch_bytes += layer_bytes
-            if on_host:  # what the hooks pack: each chunk's positional tensors (a shared one once per chunk)
-                c.host_boundary_bytes += sum(_tensor_bytes(a) for a, _ in parts)
-            c.boundary_bytes = self._batch_bytes
-            c.peak_boundary_bytes = max(c.peak_boundary_bytes, self._batch_bytes)
-            outputs = []
-            self._in_forward = True
-            try:
-                for part_args, part_kwargs in parts:
-                    with boundary.to_host() if on_host else nullcontext():
-                        outputs.append(checkpoint(run_chunk, *part_args, use_reentrant=False, **part_kwargs))
-                    c.chunk_calls += 1
-            finally:
-                self._in_forward = False
-            return split.merge(outputs, [split.first_batch_size(a, k) for a, k in parts])
+        def run_chunk(*chunk_args: Any, **chunk_kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and not self._in_forward:
+                c.recomputes += 1  # non-reentrant checkpoint's recomputation, inside the backward
+            return forward(*chunk_args, **chunk_kwargs)
 
-        layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
-        return layered_forward
+        outputs = []
+        self._in_forward = True
+        try:
+            for part_args, part_kwargs in parts:
+                with boundary.to_host() if on_host else nullcontext():
+                    outputs.append(checkpoint(run_chunk, *part_args, use_reentrant=False, **part_kwargs))
+                c.chunk_calls += 1
+        finally:
+            self._in_forward = False
+        return split.merge(outputs, [split.first_batch_size(a, k) for a, k in parts])
 
     def _refuse_sequence_first(self, batch: int) -> None:
         """[Note: batch first] The chunks split a layer input's first dimension. Megatron-DeepSpeed's GPT (and other
@@ -176,6 +178,15 @@ class LayeredStack:
                 "layered_batches": c.batches, "layered_chunk_calls": c.chunk_calls, "layered_recomputes": c.recomputes,
                 "layered_cache_turned_off": self.cache_turned_off, "layered_boundary_bytes": c.boundary_bytes,
                 "layered_host_boundary_bytes": c.host_boundary_bytes, "layered_peak_boundary_bytes": c.peak_boundary_bytes}
+
+
+def _chunked(layer: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``forward`` installed on a layer: its call run by the stack attached to it ([Note: the newest stack])."""
+    def layered_forward(*args: Any, **kwargs: Any) -> Any:
+        return getattr(layer, _ATTACHED).run(layer, forward, args, kwargs)
+
+    layered_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    return layered_forward
 
 
 def _refuse_reentrant_checkpointing(layer: torch.nn.Module) -> None:

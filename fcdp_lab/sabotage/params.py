@@ -16,7 +16,8 @@ leave pending groups), ``stale_reference`` (a pending compressed group survives 
 ``link.*`` (the paths' choice, ``machine/link.py``): ``no_agreement`` (each rank decides from its own probe),
 ``no_vote`` (each data-parallel group keeps its own choice).
 
-``layered.depth_first`` (``fcdp.layered``'s chunks run one at a time through every layer, ``layered/stack.py``).
+``layered.depth_first`` (``fcdp.layered``'s chunks run one at a time through every layer, ``layered/stack.py``),
+``layered.boundary_early_drop`` (a host boundary's pinned copy dropped when its copy back is queued, ``layered/boundary.py``).
 
 ``gather.*`` (the deferred stage 2s, ``runtime/sequencer.py``): ``drain_own`` (a wait issues only its own stage 2, in
 each rank's wait order), ``stage2_early`` (stage 2 without waiting for stage 1), ``delay=SECONDS`` (every stage 1
@@ -230,3 +231,22 @@ def _layered_depth_first(value: Optional[str]) -> None:
             model.forward = forward
         return init
     wrap(LayeredStack, "__init__", make)
+
+
+@variant("layered.boundary_early_drop")
+def _layered_boundary_early_drop(value: Optional[str]) -> None:
+    """``fcdp.layered``'s host boundaries ([Note: host boundaries]) are dropped as soon as the copy back to the
+    accelerator is queued, not once its event is done ([Note: deferred release]): with
+    ``DS_PIN_MEMORY_BACKEND=native`` the pinned memory could be reused while that copy still reads it."""
+    from fcdp_deepspeed.layered import boundary
+    from fcdp_deepspeed.machine import device
+
+    def make(original):
+        def unpack(saved):
+            out = original(saved)
+            host, _, shape = saved
+            if shape is not None:
+                device.drop_host(host)
+            return out
+        return unpack
+    wrap(boundary, "_unpack", make)
