@@ -154,7 +154,10 @@ def cmd_configs(args: argparse.Namespace) -> int:
         base["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     node = {"grad_accumulation": "node"}  # implies grad_reduce: hierarchical
     zero3_grads = {"grad_reduce": "flat", "grad_accumulation": "rank"}  # "fcdp" is compared bit for bit
-    for name, enabled, extra in (("zero3", False, {}), ("fcdp", True, zero3_grads), ("fcdp_node", True, node)):
+    # fcdp.layered splits a layer's first dimension; Megatron's GPT is sequence-first: the run must be refused.
+    layered = {"layered": 2}
+    for name, enabled, extra in (("zero3", False, {}), ("fcdp", True, zero3_grads), ("fcdp_node", True, node),
+                                 ("fcdp_layered", True, layered)):
         # ZeRO-3 keeps the (disabled) block only so the probe counts bytes with the same node layout.
         cfg = dict(base, fcdp={"enabled": enabled, "ranks_per_node": args.ranks_per_node, **extra})
         (out / f"ds_{name}.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -34,6 +34,9 @@
 #               gradient reduction; not bit-identical: losses, grad norms and weights within 1e-5
 #               relative of ZeRO-3, inter-node gradient bytes reported); 0: skip it. At TP=2 on
 #               2 x 2 each node holds one rank of a DP group, so the modes fall back to flat (said once)
+#   LAYERED     1 (default): at TP=1, one more FCDP run with "layered": 2, which must be refused by name at
+#               the first training call (Megatron's GPT passes hidden states sequence-first, [Note: batch
+#               first] in fcdp_deepspeed/layered/stack.py); 0: skip it
 # Exit status 0 when every comparison passes.
 set -euo pipefail
 
@@ -54,6 +57,7 @@ PYBIN="$(dirname "$PYTHON")"
 WORKDIR="${WORKDIR:-$(mktemp -d /tmp/fcdp-megatron-XXXXXX)}"
 TPS="${TPS:-1 2}"
 GRAD_MODES="${GRAD_MODES:-1}"
+LAYERED="${LAYERED:-1}"
 LAUNCHERS="${LAUNCHERS:-run}"
 ITERS="${ITERS:-10}"
 RELEASE="${RELEASE:-large}"
@@ -176,6 +180,23 @@ run_one() {
     echo "   done in $(($(date +%s) - t0))s$note; log: $log"
 }
 
+# run_refused LOG MESSAGE CMD...: a run that must stop with MESSAGE in its log (a refusal by name), no rank results.
+run_refused() {
+    local log="$1" message="$2"
+    shift 2
+    echo "   \$ $*"
+    local t0 rc=0
+    t0=$(date +%s)
+    (cd "$MDS" && FCDP_MEGATRON_OUT="$WORKDIR/refused" exec setsid -w timeout "$RUN_TIMEOUT" "$@") >"$log" 2>&1 || rc=$?
+    if ((rc != 0)) && grep -qF "$message" "$log"; then
+        echo "   refused as expected in $(($(date +%s) - t0))s (exit $rc): $(grep -m1 -F "$message" "$log" | cut -c1-240)"
+        return 0
+    fi
+    echo "   NOT REFUSED as expected (exit $rc, looked for: $message); last lines of $log:"
+    grep -v -e "Warning" -e "warnings.warn" "$log" | tail -40 | sed 's/^/   | /'
+    return 1
+}
+
 mkdir -p "$WORKDIR/logs"
 failed=0
 for tp in $TPS; do
@@ -204,6 +225,13 @@ for tp in $TPS; do
         run_one "$res/fcdp_node-run" "$WORKDIR/logs/tp${tp}_fcdp_node-run.log" \
             "$PYBIN/torchrun" --nproc_per_node "$NPROC" --master_port "$(free_port)" -m fcdp_deepspeed.run \
             "$PROBE" pretrain_gpt.py "${args[@]}" --deepspeed_config "$WORKDIR/ds_fcdp_node.json" || failed=1
+    fi
+    if [[ "$LAYERED" == 1 && "$tp" == 1 ]]; then
+        section "TP=$tp: FCDP with layered accumulation: refused (Megatron's GPT is sequence-first)"
+        run_refused "$WORKDIR/logs/tp${tp}_fcdp_layered-run.log" \
+            "first dimension is 64, more than the $MICRO examples of a micro-batch" \
+            "$PYBIN/torchrun" --nproc_per_node "$NPROC" --master_port "$(free_port)" -m fcdp_deepspeed.run \
+            "$PROBE" pretrain_gpt.py "${args[@]}" --deepspeed_config "$WORKDIR/ds_fcdp_layered.json" || failed=1
     fi
 done
 
