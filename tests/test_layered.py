@@ -117,8 +117,14 @@ def test_layered_gives_zero3_accumulations_losses_and_weights_within_its_float64
     assert _close(lay["losses"], zero3["losses"], 1e-5)
     # the gradient of each step against the float64 window mean: within ZeRO-3's own accumulation error
     assert max(lay["grad_errors"]) <= max(2 * max(zero3["grad_errors"]), 1e-7), (lay["grad_errors"], zero3["grad_errors"])
-    for name, w in zero3["weights"].items():
-        torch.testing.assert_close(lay["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    # the weights against the run in float64 (the engine's optimizer on the exact window means): within twice
+    # ZeRO-3's own error per tensor. [Note: not against ZeRO-3's weights] Adam's first steps divide by |g|, so
+    # where a gradient is near zero two float32 sums that both meet the bound above can move a weight apart by
+    # 1e-6; which way depends on the CPU's kernels. Against float64 each error is its own.
+    reference = zero3["reference_weights"]
+    for name, exact in reference.items():
+        own = (zero3["weights"][name].double() - exact).abs().max().item()
+        assert (lay["weights"][name].double() - exact).abs().max().item() <= 2 * own + 1e-7, (name, own)
     assert lay["stats"]["layered_chunks"] == 4 and lay["stats"]["layered_batches"] == 3
     assert lay["stats"]["layered_recomputes"] == lay["stats"]["layered_chunk_calls"] == 3 * 4 * 4
 

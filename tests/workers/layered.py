@@ -49,6 +49,30 @@ def _exact_grads(engine, window, lora: int) -> dict[str, torch.Tensor]:
     return out
 
 
+class _Reference64:
+    """The run in float64 from the engine's first weights: each step the window mean's gradient over every rank,
+    applied by the engine's own optimizer class and settings (what ZeRO-3's and the layered weights are within)."""
+
+    def __init__(self, engine, lora: int) -> None:
+        self.model = _like(engine.module, toy.gather_weights(engine), lora)
+        basic = engine.optimizer.optimizer  # ZeRO-3's wrapped torch optimizer
+        settings = {k: v for k, v in basic.defaults.items() if k not in ("fused", "foreach", "capturable", "decoupled_weight_decay")}
+        self.optimizer = type(basic)([p for p in self.model.parameters() if p.requires_grad], **settings)
+
+    def step(self, window) -> None:
+        self.optimizer.zero_grad()
+        for x, y in window:
+            (F.mse_loss(self.model(x.double()), y.double()) / len(window)).backward()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        self.optimizer.step()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
 def _like(module, weights: dict, lora: int) -> torch.nn.Module:
     layers = sum(1 for k in weights if k.endswith(".fc.weight"))
     replica = toy.ToyModel(HIDDEN, layers, lora).double()
@@ -75,6 +99,7 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
     """``steps`` optimizer steps; each reads the window of ``chunks_of`` micro-batches of ``micro`` examples, as
     ``ga`` micro-steps of ``chunks_of // ga`` batches each (ZeRO-3: ga = chunks_of; layered: ga = 1)."""
     engine = _engine(block, ga, micro * chunks_of // ga, regime, lora, ckpt, dtype, zero)
+    reference = _Reference64(engine, lora) if check_grads else None
     cast = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     losses, errors = [], []
     keys = ("intra_node_allgather_calls", "inter_node_allgather_calls", "intra_node_allgather_bytes",
@@ -83,6 +108,8 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
     for step in range(steps):
         window = _window(step, chunks_of, micro)
         exact = _exact_grads(engine, window, lora) if check_grads else {}  # its gathers are not the window's
+        if reference is not None:
+            reference.step(window)
         before = fcdp_deepspeed.get_stats(engine)
         per = chunks_of // ga
         window_loss = 0.0
@@ -101,7 +128,9 @@ def run(block: dict | None, *, ga: int, micro: int, chunks_of: int, steps: int, 
             per_step[k] += (after.get(k, 0) - before.get(k, 0)) / steps
     weights = toy.gather_weights(engine)
     stats = fcdp_deepspeed.get_stats(engine)
-    return {"losses": losses, "grad_errors": errors, "weights": weights if dist.get_rank() == 0 else {},
+    rank0 = dist.get_rank() == 0
+    return {"losses": losses, "grad_errors": errors, "weights": weights if rank0 else {},
+            "reference_weights": reference.weights() if reference is not None and rank0 else {},
             "stats": {k: v for k, v in stats.items() if k.startswith(("layered_", "paths", "cache_"))}, "per_step": per_step}
 
 
