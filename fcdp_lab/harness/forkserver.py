@@ -37,7 +37,14 @@ PER_RANK = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "G
 #: Starts every line of the server's protocol on its stdout (replies ``ready``/``pid N``/``refused: why``,
 #: reports ``exit PID CODE``); other lines are output of the modules it imports.
 MARK = "fcdp-forkserver: "
+#: [Note: what the first engine imports] Building a rank's first engine imports ``torch._dynamo`` (torch's optimizer
+#: constructor disables it, importing it to do so) and DeepSpeed's Muon optimizer module (its optimizer check; that
+#: module calls ``torch.compile``, which pulls in inductor, sympy and networkx): about 1,400 modules, 2.0 CPU s of a
+#: 2.4 s first ``deepspeed.initialize`` on this machine (0.34 s with them imported; a second engine 0.26 s). A forked
+#: rank paid it every launch; the server pays it once. Neither starts a thread (checked: forking stays safe). Both
+#: are imported where they exist (older DeepSpeed releases have no Muon module).
 PRELOAD = ("torch", "deepspeed", "deepspeed.comm", "fcdp_deepspeed", "fcdp_lab.harness._worker")
+FIRST_ENGINE_IMPORTS = ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer")
 #: Comma-separated modules the server imports as well. Part of the environment, so ranks that do not ask
 #: for them come from a server that never imported them. [Note: not for transformers] Hugging Face ranks
 #: forked from a server that had imported transformers, peft and accelerate took 89 CPU s for two
@@ -237,7 +244,7 @@ def _say(line: str) -> None:
 def serve() -> None:
     for name in PRELOAD:
         __import__(name)
-    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+    for name in FIRST_ENGINE_IMPORTS + tuple(filter(None, os.environ.get(PRELOAD_ENV, "").split(","))):
         try:
             __import__(name.strip())
         except ImportError:  # the rank that needs it imports it (and reports it missing) itself
