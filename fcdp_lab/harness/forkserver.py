@@ -247,7 +247,7 @@ def serve() -> None:
     for name in FIRST_ENGINE_IMPORTS + tuple(filter(None, os.environ.get(PRELOAD_ENV, "").split(","))):
         try:
             __import__(name.strip())
-        except ImportError:  # the rank that needs it imports it (and reports it missing) itself
+        except Exception:  # the rank that needs it imports it (and reports what failed) itself
             pass
     _say("ready")
     children: set[int] = set()

@@ -17,7 +17,8 @@ leave pending groups), ``stale_reference`` (a pending compressed group survives 
 ``no_vote`` (each data-parallel group keeps its own choice).
 
 ``layered.depth_first`` (``fcdp.layered``'s chunks run one at a time through every layer, ``layered/stack.py``),
-``layered.boundary_early_drop`` (a host boundary's pinned copy dropped when its copy back is queued, ``layered/boundary.py``).
+``layered.boundary_early_drop`` (a host boundary's pinned copy dropped when its copy back is queued) and
+``layered.boundary_no_retire`` (never retired: freed as its last reference dies, with no event; ``layered/boundary.py``).
 
 ``gather.*`` (the deferred stage 2s, ``runtime/sequencer.py``): ``drain_own`` (a wait issues only its own stage 2, in
 each rank's wait order), ``stage2_early`` (stage 2 without waiting for stage 1), ``delay=SECONDS`` (every stage 1
@@ -250,3 +251,21 @@ def _layered_boundary_early_drop(value: Optional[str]) -> None:
             return out
         return unpack
     wrap(boundary, "_unpack", make)
+
+
+@variant("layered.boundary_no_retire")
+def _layered_boundary_no_retire(value: Optional[str]) -> None:
+    """``fcdp.layered``'s host boundaries are never retired with their copy back's event ([Note: deferred release]):
+    the pinned memory is freed when its last reference dies, which ``DS_PIN_MEMORY_BACKEND=native`` does with no
+    event, while the copy back may still read it."""
+    from fcdp_deepspeed.layered import boundary
+    from fcdp_deepspeed.machine import device
+
+    def unpack(saved):
+        host, event, shape = saved
+        if shape is None:
+            return host
+        if event is not None:
+            device.wait_event(event)
+        return device.to_accel(host).view(shape)
+    replace(boundary, "_unpack", unpack)

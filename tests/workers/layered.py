@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,9 @@ class _Reference64:
     def __init__(self, engine, lora: int) -> None:
         self.model = _like(engine.module, toy.gather_weights(engine), lora)
         basic = engine.optimizer.optimizer  # ZeRO-3's wrapped torch optimizer
-        settings = {k: v for k, v in basic.defaults.items() if k not in ("fused", "foreach", "capturable", "decoupled_weight_decay")}
+        accepted = inspect.signature(type(basic).__init__).parameters
+        settings = {k: v for k, v in basic.defaults.items()
+                    if k in accepted and k not in ("fused", "foreach", "capturable")}
         self.optimizer = type(basic)([p for p in self.model.parameters() if p.requires_grad], **settings)
 
     def step(self, window) -> None:
