@@ -81,7 +81,11 @@ def test_the_probe_on_real_groups(ranks):
     assert len({(r["paths"], r["link_flat_s"], r["link_two_stage_s"]) for r in results}) == 1, results
     r = results[0]
     assert r["link_source"] == "measured" and r["link_fetch_bytes"] == 1 << 20
-    assert 0 < r["link_node_s"] < r["link_two_stage_s"]
+    # [Note: loopback times] every "node" shares the loopback, so the three gathers cross one link and, at a few
+    # milliseconds on two loaded cores, their order is noise (CI saw the node-only gather at 3.4 ms above the
+    # two-stage one at 2.3 ms). The claims are the agreement above and the rule's choice below; noise that raises
+    # a node time only keeps ZeRO-3's paths (the rule asks a fetch across nodes to take 4x one inside a node).
+    assert min(r["link_flat_s"], r["link_two_stage_s"], r["link_node_s"]) > 0
     times = paths.FetchTimes(r["link_fetch_bytes"], r["link_flat_s"], r["link_two_stage_s"], r["link_node_s"])
     assert paths.choose(times).paths.value == r["paths"]
 
