@@ -80,16 +80,16 @@ class LayeredStack:
         self._seen: dict = {}
         #: Inside the chunk loop's forward (a chunk call outside it, with gradients, is a recomputation).
         self._in_forward = False
-        for index, layer in enumerate(self.layers):
-            earlier = getattr(layer, _ATTACHED, None)
-            if earlier is None:
-                self._attach(index, layer)
-            elif len(earlier.layers) != len(self.layers) or any(a is not b for a, b in zip(earlier.layers, self.layers)):
+        for earlier in {id(e): e for e in (getattr(layer, _ATTACHED, None) for layer in self.layers) if e}.values():
+            if len(earlier.layers) != len(self.layers) or any(a is not b for a, b in zip(earlier.layers, self.layers)):
                 raise split.LayeredCallError(
                     f"fcdp.layered: {self.name} of this model is layered already by another engine over a different "
                     f"layer list ({earlier.name}, {len(earlier.layers)} layers): one model, one layer list. Fix: give "
                     f"every engine over this model the same fcdp.layered.layers, or build the engine over a fresh "
-                    f"model.")
+                    f"model.")  # checked before any layer changes: a refused stack leaves the model as it was
+        for index, layer in enumerate(self.layers):
+            if getattr(layer, _ATTACHED, None) is None:
+                self._attach(index, layer)
             # [Note: the newest stack] A layer's chunk loop is installed once and runs for the stack attached last:
             # a second engine built over the same model counts its own batches with its own chunks and budget.
             setattr(layer, _ATTACHED, self)
